@@ -1,0 +1,326 @@
+"""Manifest normalisation, design resolution, scope construction and feature checks.
+
+This is the validation boundary of the metric API (spec/metrics.md §1, §2). Everything downstream
+receives a :class:`PreparedManifest` whose scopes carry integer codes, so kernels never touch
+pandas or strings.
+
+Check order matters for which error a caller sees first; the public entry points call these
+helpers in the order of the spec's error catalogue (§1.8):
+
+* :func:`coerce_manifest` / :func:`check_features` – types, ndim, row counts, emptiness;
+* :func:`normalize_manifest` – confounder column name, required columns, ``group_id``;
+* :func:`normalize_design` – ``all`` | ``paired_2x2``;
+* :func:`build_scopes` – subset column, blank subsets, incomplete 2x2 subsets;
+* :func:`check_finite_rows` – NaN/inf, raised when a scope is about to be searched.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+__all__ = [
+    "GROUP_COLUMN",
+    "REQUIRED_COLUMNS",
+    "DESIGNS",
+    "Scope",
+    "PreparedManifest",
+    "coerce_manifest",
+    "check_features",
+    "normalize_manifest",
+    "normalize_design",
+    "build_scopes",
+    "prepare",
+    "check_finite_rows",
+    "dataset_name",
+]
+
+#: Independence key: candidates sharing a query's group are never its neighbours.
+GROUP_COLUMN = "group_id"
+#: Columns every manifest needs, besides the caller-named confounder column.
+REQUIRED_COLUMNS = ("sample_id", "image_path", "label", GROUP_COLUMN)
+#: Accepted evaluation designs, after strip + lower-case.
+DESIGNS = ("all", "paired_2x2")
+#: Subset ID reported for the single scope of the ``all`` design.
+ALL_SCOPE_ID = "dataset"
+
+
+@dataclass(frozen=True)
+class Scope:
+    """One neighbourhood: the rows that are searched against each other.
+
+    All arrays have length ``n`` (rows of the scope, in scope order = manifest order restricted to
+    the scope). Codes are ``pandas.factorize`` codes over the scope (first appearance order), so
+    they are comparable only within the scope.
+    """
+
+    subset: str
+    rows: np.ndarray  # int64 manifest positions
+    labels: np.ndarray  # int64 label codes
+    confounders: np.ndarray  # int64 confounder codes
+    groups: np.ndarray  # int64 group codes (equal iff same group_id)
+
+    @property
+    def n(self) -> int:
+        return int(self.rows.shape[0])
+
+    @property
+    def max_group_size(self) -> int:
+        """``G``: the largest number of scope rows sharing one group (0 for an empty scope)."""
+        return int(np.bincount(self.groups).max()) if self.n else 0
+
+
+@dataclass(frozen=True)
+class PreparedManifest:
+    """A validated manifest split into scopes (spec §2)."""
+
+    frame: pd.DataFrame
+    dataset: str
+    design: str
+    scopes: tuple[Scope, ...]
+
+    @property
+    def unit(self) -> str:
+        return "sample" if self.design == "all" else "occurrence"
+
+    @property
+    def n_units(self) -> int:
+        return sum(s.n for s in self.scopes)
+
+    @property
+    def source_indices(self) -> np.ndarray:
+        """Manifest position of every unit, in unit order (subset-major under paired)."""
+        if not self.scopes:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([s.rows for s in self.scopes]).astype(np.int64)
+
+    @property
+    def unit_subsets(self) -> np.ndarray:
+        """Subset ID of every unit (``"dataset"`` under ``all``), as an object array of str."""
+        out = np.empty(self.n_units, dtype=object)
+        start = 0
+        for s in self.scopes:
+            out[start : start + s.n] = s.subset
+            start += s.n
+        return out
+
+
+def coerce_manifest(manifest) -> pd.DataFrame:
+    """Return ``manifest`` as a DataFrame; a path to ``.parquet`` or ``.csv`` is read.
+
+    Raises ``TypeError`` for anything else, ``FileNotFoundError`` for a missing file and
+    ``ValueError`` for an unsupported file suffix. CSV columns are read as strings.
+    """
+    if isinstance(manifest, pd.DataFrame):
+        return manifest
+    if isinstance(manifest, (str, os.PathLike)):
+        path = Path(manifest)
+        if not path.exists():
+            raise FileNotFoundError(f"manifest not found: {path}")
+        suffix = path.suffix.lower()
+        if suffix in {".parquet", ".pq"}:
+            return pd.read_parquet(path)
+        if suffix == ".csv":
+            return pd.read_csv(path, dtype=str, keep_default_na=False)
+        raise ValueError(f"manifest {path}: unsupported file type {suffix!r}; use .parquet or .csv")
+    raise TypeError(f"manifest must be a pandas DataFrame or a path to one, got {type(manifest).__name__}")
+
+
+def check_features(features, n_rows: int, *, require_units: bool):
+    """Validate the embedding matrix against the manifest length (spec §1.6 checks 2–5).
+
+    ``features`` may be a numpy array or a dask array (row-chunked); a dask array is validated
+    from its metadata and computed once, here. Returns a numpy array (n_rows, d).
+
+    Raises ``TypeError`` (not an array), ``ValueError`` (not 2-D, row count differs from the
+    manifest, or no rows when ``require_units``).
+    """
+    if _is_dask_array(features):
+        if features.ndim != 2:
+            raise ValueError(f"features must be a 2-D array of shape (n_rows, n_dims), got {features.ndim}-D")
+        if any(np.isnan(c) for c in features.chunks[0]):
+            raise ValueError("features is a dask array with unknown row chunk sizes; call .compute_chunk_sizes() first")
+        if len(features.chunks[1]) != 1:
+            features = features.rechunk({1: -1})
+        if features.shape[0] != n_rows:
+            raise ValueError(
+                f"features has {features.shape[0]} rows but the manifest has {n_rows}: "
+                "row i of features must be the embedding of manifest row i"
+            )
+        features = np.asarray(features.compute())
+    elif not isinstance(features, np.ndarray):
+        raise TypeError(f"features must be a numpy ndarray or a dask array, got {type(features).__name__}")
+    if features.ndim != 2:
+        raise ValueError(f"features must be a 2-D array of shape (n_rows, n_dims), got {features.ndim}-D")
+    if features.shape[0] != n_rows:
+        raise ValueError(
+            f"features has {features.shape[0]} rows but the manifest has {n_rows}: "
+            "row i of features must be the embedding of manifest row i"
+        )
+    if require_units and n_rows == 0:
+        raise ValueError("the evaluation must contain at least one evaluation unit; the manifest is empty")
+    if not (np.issubdtype(features.dtype, np.number) or features.dtype == bool):
+        raise TypeError(f"features must have a numeric dtype, got {features.dtype}")
+    return features
+
+
+def _is_dask_array(x) -> bool:
+    return type(x).__module__.startswith("dask.array") and hasattr(x, "chunks")
+
+
+def _strip(v: object) -> str:
+    return str(v).strip()
+
+
+def normalize_manifest(df: pd.DataFrame, *, confounder_column, source: str = "manifest") -> pd.DataFrame:
+    """Return a normalised copy (spec §1.2): string-stripped columns, a canonical ``confounder``
+    column, a 0..N-1 index.
+
+    Raises ``ValueError`` for a blank confounder column name, missing required columns (with a
+    ``slide_id`` → ``group_id`` hint) and blank/missing ``group_id`` values (by row position).
+    """
+    column = str(confounder_column).strip()
+    if not column:
+        raise ValueError("confounder_column must be a non-empty string naming a manifest column")
+    required = (*REQUIRED_COLUMNS, column)
+    missing = [c for c in required if c not in df.columns]
+    if missing:
+        message = f"{source} is missing required columns: {missing}"
+        if GROUP_COLUMN in missing and "slide_id" in df.columns:
+            message += (
+                f"; it has a 'slide_id' column, which is not read: rename it to '{GROUP_COLUMN}' "
+                "(the independence group of each row)"
+            )
+        raise ValueError(message)
+
+    out = df.copy()
+    for name in ("sample_id", "label", "image_path"):
+        out[name] = out[name].map(_strip)
+    groups = out[GROUP_COLUMN].map(lambda v: "" if _is_missing(v) else _strip(v))
+    blank = np.flatnonzero(groups.to_numpy(dtype=object) == "")
+    if blank.size:
+        shown = [int(i) for i in blank[:5]]
+        more = f" (and {blank.size - 5} more)" if blank.size > 5 else ""
+        raise ValueError(
+            f"{source} has empty {GROUP_COLUMN} values at rows {shown}{more}: every row needs a "
+            f"non-empty {GROUP_COLUMN} naming its independence group (slide, case, patient, ...)"
+        )
+    out[GROUP_COLUMN] = groups
+    out["confounder"] = out[column].map(_strip)
+    if "subset" in out.columns:
+        out["subset"] = out["subset"].map(_strip)
+    out.attrs["confounder_column"] = column
+    return out.reset_index(drop=True)
+
+
+def _is_missing(v: object) -> bool:
+    if v is None:
+        return True
+    try:
+        return bool(pd.isna(v))
+    except (TypeError, ValueError):
+        return False
+
+
+def normalize_design(evaluation_design) -> str:
+    """Strip and lower-case; raise ``ValueError`` naming only the two valid designs."""
+    design = str(evaluation_design).strip().lower()
+    if design not in DESIGNS:
+        raise ValueError("evaluation_design must be 'all' or 'paired_2x2'")
+    return design
+
+
+def dataset_name(frame: pd.DataFrame) -> str:
+    """``result.dataset`` (spec §1.5): first row's ``dataset`` value, else ``"dataset"``."""
+    if "dataset" not in frame.columns or len(frame) == 0:
+        return "dataset"
+    value = str(frame["dataset"].iloc[0]).strip()
+    return value or "dataset"
+
+
+def _codes(values: pd.Series) -> np.ndarray:
+    return pd.factorize(values)[0].astype(np.int64)
+
+
+def _scope(frame: pd.DataFrame, subset: str, rows: np.ndarray) -> Scope:
+    part = frame.iloc[rows]
+    return Scope(
+        subset=subset,
+        rows=rows.astype(np.int64),
+        labels=_codes(part["label"]),
+        confounders=_codes(part["confounder"]),
+        groups=_codes(part[GROUP_COLUMN]),
+    )
+
+
+def build_scopes(frame: pd.DataFrame, design: str, *, validate_subsets: bool = True) -> tuple[Scope, ...]:
+    """Split a normalised manifest into scopes (spec §2, §1.4).
+
+    ``all``: one scope of every row. ``paired_2x2``: one scope per subset, in sorted string order;
+    with ``validate_subsets`` (the public ``compute`` paths) any subset that is not a complete 2x2
+    raises ``ValueError`` listing the subset IDs; without it (``recommend_tau``) such subsets are
+    skipped.
+    """
+    if design == "all":
+        return (_scope(frame, ALL_SCOPE_ID, np.arange(len(frame))),)
+    if "subset" not in frame.columns:
+        raise ValueError("the paired_2x2 design needs a 'subset' column defining subset membership")
+    subsets = frame["subset"].to_numpy(dtype=object)
+    blank = np.flatnonzero(subsets == "")
+    if blank.size:
+        shown = [int(i) for i in blank[:5]]
+        raise ValueError(f"manifest contains blank subset values at rows {shown}")
+    codes, uniques = pd.factorize(frame["subset"])
+    order = np.argsort(codes, kind="stable")
+    bounds = np.cumsum(np.bincount(codes, minlength=len(uniques)))[:-1]
+    by_subset = dict(zip((str(u) for u in uniques), np.split(order, bounds)))
+    scopes, invalid = [], []
+    for subset in sorted(by_subset):
+        rows = by_subset[subset]
+        part = frame.iloc[rows]
+        cells = part.groupby(["label", "confounder"], sort=False).size()
+        complete = part["label"].nunique() == 2 and part["confounder"].nunique() == 2 and len(cells) == 4
+        if not complete:
+            invalid.append(subset)
+            continue
+        scopes.append(_scope(frame, subset, rows))
+    if invalid and validate_subsets:
+        raise ValueError(
+            "paired_2x2 needs every subset to be a complete 2x2 (exactly 2 labels x 2 confounders, "
+            f"every cell non-empty); invalid subsets: {', '.join(invalid)}"
+        )
+    return tuple(scopes)
+
+
+def prepare(manifest: pd.DataFrame, *, confounder_column, evaluation_design, validate_subsets: bool = True) -> PreparedManifest:
+    """Normalise, resolve the design and build scopes, in the catalogue's order."""
+    frame = normalize_manifest(manifest, confounder_column=confounder_column)
+    design = normalize_design(evaluation_design)
+    scopes = build_scopes(frame, design, validate_subsets=validate_subsets)
+    return PreparedManifest(frame=frame, dataset=dataset_name(frame), design=design, scopes=scopes)
+
+
+def check_finite_rows(features: np.ndarray, rows: np.ndarray | None = None, *, source: str = "features") -> None:
+    """Raise ``ValueError`` naming the first offending rows if any entry is NaN or ±inf.
+
+    A cheap sum is tried first; the element-wise scan runs only to build the message. ``rows``
+    restricts the check to those manifest positions (a scope).
+    """
+    block = features if rows is None else features[rows]
+    if block.size == 0 or not np.issubdtype(block.dtype, np.floating):
+        return
+    with np.errstate(over="ignore", invalid="ignore"):
+        total = block.sum(dtype=np.float64)
+    if np.isfinite(total):
+        return
+    bad = np.flatnonzero(~np.isfinite(block).all(axis=1))
+    if bad.size == 0:
+        return  # the sum overflowed on finite values
+    positions = bad if rows is None else np.asarray(rows)[bad]
+    shown = [int(i) for i in positions[:5]]
+    more = f" (and {bad.size - 5} more)" if bad.size > 5 else ""
+    raise ValueError(f"{source} contains NaN or infinite values at rows {shown}{more}")
