@@ -1,1 +1,46 @@
-"""cache."""
+"""Embedding caches: layout, lazy readers, writers, importer and a synthetic demo cache.
+
+See ``docs/cache-layout.md``. Public names:
+
+* :class:`Cache` – read a cache folder (listings, views, lazy dask embeddings, fingerprints, validation);
+* :class:`ViewSpec`, :class:`EmbeddingMeta` – parsed sidecar / ``meta.json``;
+* :func:`write_tileset`, :func:`write_embeddings`, :func:`write_view` – atomic writers;
+* :func:`import_cache` – build a cache from per-encoder or per-slide arrays;
+* :func:`make_demo_cache` – a small cache with a known confounder ranking;
+* the :mod:`~cachescore.cache.errors` hierarchy rooted at :class:`CacheError` (a ``ValueError``).
+"""
+
+from .errors import (
+    AlignmentError,
+    CacheError,
+    CacheNotFoundError,
+    LayoutError,
+    NonFiniteError,
+    ShardError,
+    ShardNotFoundError,
+    ViewError,
+)
+from .importer import import_cache
+from .layout import EmbeddingMeta, ViewSpec
+from .reader import Cache
+from .synthetic import make_demo_cache
+from .writer import write_embeddings, write_tileset, write_view
+
+__all__ = [
+    "Cache",
+    "ViewSpec",
+    "EmbeddingMeta",
+    "write_tileset",
+    "write_embeddings",
+    "write_view",
+    "import_cache",
+    "make_demo_cache",
+    "CacheError",
+    "CacheNotFoundError",
+    "LayoutError",
+    "AlignmentError",
+    "ShardError",
+    "ShardNotFoundError",
+    "NonFiniteError",
+    "ViewError",
+]

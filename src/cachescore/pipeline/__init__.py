@@ -1,1 +1,31 @@
-"""pipeline."""
+"""Planning and Dask execution of work units (encoder × view × design × metric).
+
+* :func:`plan_job` – fingerprinted work units, split into pending / done / invalid;
+* :func:`run_job` – the whole run (what ``cachescore run`` does) → :class:`RunSummary`;
+* :func:`execute_plan` – submit pending units to a client;
+* :func:`open_client` – LocalCluster on 127.0.0.1 or an existing scheduler;
+* :func:`score_unit` – the one place where a unit calls the metric API;
+* :func:`unit_status` – done / failed / stale / missing per unit.
+"""
+
+from .cluster import SingleThreadBLAS, open_client
+from .execute import RunSummary, execute_plan, run_job
+from .plan import InvalidUnit, Plan, WorkUnit, code_version, plan_job
+from .status import unit_status
+from .unit import run_unit, score_unit
+
+__all__ = [
+    "WorkUnit",
+    "InvalidUnit",
+    "Plan",
+    "plan_job",
+    "code_version",
+    "RunSummary",
+    "run_job",
+    "execute_plan",
+    "open_client",
+    "SingleThreadBLAS",
+    "score_unit",
+    "run_unit",
+    "unit_status",
+]

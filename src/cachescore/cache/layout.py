@@ -1,0 +1,201 @@
+"""The on-disk layout of a cache folder (docs/cache-layout.md) and the parsers of its small files.
+
+::
+
+    CACHE/
+      cache.json                                   # optional: cache-level notes (e.g. demo ranking)
+      tilesets/<tileset>/tiles.parquet             # sample_id (unique), image_path, any metadata
+      embeddings/<encoder>/<tileset>/meta.json     # shape, dtype, shards (file, rows, sha256)
+      embeddings/<encoder>/<tileset>/shard-00000.npy ...
+      views/<view>.parquet                         # sample_id, label, group_id, <confounder>, [subset], [split]
+      views/<view>.json                            # sidecar: tileset, confounder_column, [design]
+
+Each ``parse_*`` function validates one file and raises a :class:`~cachescore.cache.errors.CacheError`
+subclass naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import CacheNotFoundError, LayoutError, ViewError
+
+__all__ = [
+    "META_FORMAT",
+    "META_VERSION",
+    "SIDECAR_VERSION",
+    "FLOAT_DTYPES",
+    "ShardInfo",
+    "EmbeddingMeta",
+    "ViewSpec",
+    "check_name",
+    "tiles_path",
+    "embeddings_dir",
+    "meta_path",
+    "view_table_path",
+    "view_sidecar_path",
+    "parse_meta",
+    "parse_view_spec",
+]
+
+#: ``format`` value written in every ``meta.json``; any other value is rejected.
+META_FORMAT = "cachescore.npy-shards"
+#: Version of the ``meta.json`` schema this code reads and writes.
+META_VERSION = 1
+#: Version of the view sidecar schema this code reads and writes.
+SIDECAR_VERSION = 1
+#: Embedding dtypes a cache may hold (croma computes in the features' float dtype).
+FLOAT_DTYPES = ("float16", "float32", "float64")
+#: Names of encoders, tilesets and views: a path component, no dot prefix, no separators.
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+=@-]*$")
+
+
+def check_name(kind: str, name: object) -> str:
+    """Return ``name`` if it is a valid encoder/tileset/view name, else raise ``ValueError``.
+
+    Names become path components, so they may hold letters, digits and ``_ . + = @ -`` and may not
+    start with a dot or dash.
+    """
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(
+            f"invalid {kind} name {name!r}: use letters, digits and '_.+=@-', not starting with '.' or '-'"
+        )
+    return name
+
+
+def tiles_path(root: Path, tileset: str) -> Path:
+    return Path(root) / "tilesets" / tileset / "tiles.parquet"
+
+
+def embeddings_dir(root: Path, encoder: str, tileset: str) -> Path:
+    return Path(root) / "embeddings" / encoder / tileset
+
+
+def meta_path(root: Path, encoder: str, tileset: str) -> Path:
+    return embeddings_dir(root, encoder, tileset) / "meta.json"
+
+
+def view_table_path(root: Path, view: str) -> Path:
+    return Path(root) / "views" / f"{view}.parquet"
+
+
+def view_sidecar_path(root: Path, view: str) -> Path:
+    return Path(root) / "views" / f"{view}.json"
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One row shard: ``file`` (name inside the embeddings folder), ``start``/``stop`` rows, ``sha256`` of the file bytes."""
+
+    file: str
+    start: int
+    stop: int
+    sha256: str
+
+    @property
+    def rows(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class EmbeddingMeta:
+    """Parsed ``meta.json`` of one (encoder, tileset) embedding array of shape ``(n_rows, dim)``."""
+
+    encoder: str
+    tileset: str
+    n_rows: int
+    dim: int
+    dtype: np.dtype
+    shards: tuple[ShardInfo, ...]
+    sample_ids_sha256: str
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n_rows, self.dim)
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """int64 array of length ``len(shards) + 1``: shard ``i`` holds rows ``offsets[i]:offsets[i+1]``."""
+        return np.asarray([0] + [s.stop for s in self.shards], dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class ViewSpec:
+    """A view's sidecar: which tileset it reads, its confounder column, and an optional design hint."""
+
+    name: str
+    tileset: str
+    confounder_column: str
+    design: str | None = None
+
+
+def _read_json(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise CacheNotFoundError(f"{what} not found: {path}")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise LayoutError(f"{what} {path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise LayoutError(f"{what} {path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def parse_meta(path: Path, *, encoder: str, tileset: str) -> EmbeddingMeta:
+    """Read and validate an embeddings ``meta.json``; raise :class:`LayoutError` naming the field."""
+    data = _read_json(path, f"embeddings meta for encoder {encoder!r}, tileset {tileset!r}")
+
+    def bad(msg: str) -> LayoutError:
+        return LayoutError(f"{path}: {msg} (encoder {encoder!r}, tileset {tileset!r})")
+
+    if data.get("format") != META_FORMAT:
+        raise bad(f"'format' must be {META_FORMAT!r}, got {data.get('format')!r}")
+    if data.get("version") != META_VERSION:
+        raise bad(f"unsupported 'version' {data.get('version')!r}; this cachescore reads version {META_VERSION}")
+    shape = data.get("shape")
+    if not (isinstance(shape, list) and len(shape) == 2 and all(isinstance(v, int) and v >= 0 for v in shape)):
+        raise bad(f"'shape' must be [n_rows, dim] of non-negative ints, got {shape!r}")
+    dtype = data.get("dtype")
+    if dtype not in FLOAT_DTYPES:
+        raise bad(f"'dtype' must be one of {list(FLOAT_DTYPES)}, got {dtype!r}")
+    raw = data.get("shards")
+    if not isinstance(raw, list):
+        raise bad("'shards' must be a list")
+    shards, start = [], 0
+    for i, s in enumerate(raw):
+        if not (isinstance(s, dict) and isinstance(s.get("file"), str) and isinstance(s.get("rows"), int)
+                and s["rows"] >= 0 and isinstance(s.get("sha256"), str)):
+            raise bad(f"shards[{i}] must be an object with 'file' (str), 'rows' (int >= 0), 'sha256' (str)")
+        if "/" in s["file"] or "\\" in s["file"] or s["file"].startswith("."):
+            raise bad(f"shards[{i}].file {s['file']!r} must be a plain file name inside the folder")
+        shards.append(ShardInfo(file=s["file"], start=start, stop=start + s["rows"], sha256=s["sha256"]))
+        start += s["rows"]
+    if start != shape[0]:
+        raise bad(f"shard row counts sum to {start} but 'shape' has {shape[0]} rows")
+    ids_hash = data.get("sample_ids_sha256")
+    if not isinstance(ids_hash, str):
+        raise bad("'sample_ids_sha256' must be a string")
+    return EmbeddingMeta(
+        encoder=encoder, tileset=tileset, n_rows=shape[0], dim=shape[1], dtype=np.dtype(dtype),
+        shards=tuple(shards), sample_ids_sha256=ids_hash,
+    )
+
+
+def parse_view_spec(path: Path, *, view: str) -> ViewSpec:
+    """Read and validate a view sidecar ``views/<view>.json``; raise :class:`ViewError` naming the key."""
+    data = _read_json(path, f"sidecar of view {view!r}")
+    for key in ("tileset", "confounder_column"):
+        value = data.get(key)
+        if not isinstance(value, str) or not value.strip():
+            raise ViewError(f"{path}: key {key!r} must be a non-empty string, got {value!r}")
+    design = data.get("design")
+    if design is not None:
+        if not isinstance(design, str) or design.strip().lower() not in ("all", "paired_2x2"):
+            raise ViewError(f"{path}: key 'design' must be 'all', 'paired_2x2' or absent, got {design!r}")
+        design = design.strip().lower()
+    return ViewSpec(name=view, tileset=data["tileset"], confounder_column=data["confounder_column"].strip(), design=design)

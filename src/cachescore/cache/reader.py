@@ -1,0 +1,463 @@
+"""Read a cache folder: listings, views in view order with their tileset row index, and embeddings
+as lazy row-chunked dask arrays whose tasks memmap the ``.npy`` shards on the worker.
+
+A :class:`Cache` holds only its root path, so it pickles to workers cheaply; nothing is read in
+the constructor. Task graphs carry shard paths, row ranges and (for views) int64 row indices,
+never embedding values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .errors import (
+    AlignmentError,
+    CacheNotFoundError,
+    LayoutError,
+    NonFiniteError,
+    ShardError,
+    ShardNotFoundError,
+    ViewError,
+)
+from .layout import (
+    EmbeddingMeta,
+    ViewSpec,
+    check_name,
+    embeddings_dir,
+    meta_path,
+    parse_meta,
+    parse_view_spec,
+    tiles_path,
+    view_sidecar_path,
+    view_table_path,
+)
+from .writer import VIEW_REQUIRED, _rows, blank_rows, default_shard_rows, normalize_ids, sample_ids_digest
+
+__all__ = ["Cache", "read_shard_rows", "gather_rows"]
+
+_HASH_BLOCK = 8 << 20
+#: Per-process memo of successful full validations: key -> stat signature of every file involved.
+_VALIDATED: dict[tuple, tuple] = {}
+_VALIDATED_MAX = 256
+
+
+def _open_shard(path: str, n_rows: int, dim: int, dtype: np.dtype, label: str) -> np.ndarray:
+    """Memmap one shard and check its header against ``meta.json``; errors name the shard."""
+    try:
+        mm = np.load(path, mmap_mode="r", allow_pickle=False)
+    except FileNotFoundError:
+        raise ShardNotFoundError(f"{label}: shard file missing: {path}") from None
+    except (ValueError, OSError, EOFError) as exc:
+        raise ShardError(f"{label}: shard {path} is corrupt or truncated: {exc}") from exc
+    if mm.dtype != dtype:
+        raise ShardError(f"{label}: shard {path} has dtype {mm.dtype}, meta.json says {dtype}")
+    if mm.shape != (n_rows, dim):
+        raise ShardError(f"{label}: shard {path} has shape {mm.shape}, meta.json says {(n_rows, dim)}")
+    return mm
+
+
+def read_shard_rows(path: str, shard_rows: int, dim: int, dtype: str, start: int, stop: int, label: str) -> np.ndarray:
+    """Task body: rows ``start:stop`` (shard-local) of one shard, as an owned in-memory array."""
+    mm = _open_shard(path, shard_rows, dim, np.dtype(dtype), label)
+    return np.array(mm[start:stop], copy=True)
+
+
+def gather_rows(paths: tuple[str, ...], offsets: np.ndarray, dim: int, dtype: str, rows: np.ndarray, label: str) -> np.ndarray:
+    """Task body: the tileset rows ``rows`` (any order, repeats allowed) gathered from the shards.
+
+    ``offsets`` has ``len(paths) + 1`` entries; shard ``s`` holds rows ``offsets[s]:offsets[s+1]``.
+    Each touched shard is memmapped once and read with one fancy index.
+    """
+    rows = np.asarray(rows, dtype=np.int64)
+    offsets = np.asarray(offsets, dtype=np.int64)
+    out = np.empty((rows.shape[0], dim), dtype=np.dtype(dtype))
+    if rows.size == 0:
+        return out
+    if rows.min() < 0 or rows.max() >= offsets[-1]:
+        raise IndexError(f"{label}: row index out of range [0, {int(offsets[-1])})")
+    which = np.searchsorted(offsets, rows, side="right") - 1
+    for s in np.unique(which):
+        sel = np.flatnonzero(which == s)
+        mm = _open_shard(paths[s], int(offsets[s + 1] - offsets[s]), dim, np.dtype(dtype), label)
+        local = rows[sel] - offsets[s]
+        order = np.argsort(local, kind="stable")  # sorted reads are kinder to the page cache
+        out[sel[order]] = mm[local[order]]
+    return out
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_HASH_BLOCK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _dask_array(name: str, tasks: list, chunks: tuple, dtype: np.dtype):
+    import dask.array as da
+    from dask.highlevelgraph import HighLevelGraph
+
+    dsk = {(name, i, 0): task for i, task in enumerate(tasks)}
+    graph = HighLevelGraph.from_collections(name, dsk, dependencies=())
+    return da.Array(graph, name, chunks=chunks, dtype=dtype)
+
+
+class Cache:
+    """A cache folder (``docs/cache-layout.md``). Cheap to construct and to pickle.
+
+    Parameters
+    ----------
+    root : str or Path
+        The cache folder. It is not read until a method needs it.
+    """
+
+    def __init__(self, root):
+        self.root = Path(root)
+
+    def __repr__(self) -> str:
+        return f"Cache({str(self.root)!r})"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Cache) and other.root == self.root
+
+    def __hash__(self) -> int:
+        return hash(("Cache", self.root))
+
+    # -- listings -------------------------------------------------------------------------------
+    def _require_root(self) -> None:
+        if not self.root.is_dir():
+            raise CacheNotFoundError(f"cache folder not found: {self.root}")
+
+    def tilesets(self) -> list[str]:
+        """Sorted names of tilesets that have a ``tiles.parquet``."""
+        self._require_root()
+        base = self.root / "tilesets"
+        return sorted(p.parent.name for p in base.glob("*/tiles.parquet") if not p.parent.name.startswith(".")) if base.is_dir() else []
+
+    def encoders(self) -> list[str]:
+        """Sorted names of encoders that have at least one complete embedding folder (with ``meta.json``)."""
+        self._require_root()
+        base = self.root / "embeddings"
+        if not base.is_dir():
+            return []
+        return sorted({p.parent.parent.name for p in base.glob("*/*/meta.json")
+                       if not p.parent.name.startswith(".") and not p.parent.parent.name.startswith(".")})
+
+    def embedding_tilesets(self, encoder: str) -> list[str]:
+        """Sorted tilesets for which ``encoder`` has complete embeddings."""
+        check_name("encoder", encoder)
+        base = self.root / "embeddings" / encoder
+        return sorted(p.parent.name for p in base.glob("*/meta.json") if not p.parent.name.startswith(".")) if base.is_dir() else []
+
+    def views(self) -> list[str]:
+        """Sorted names of views that have both ``<view>.parquet`` and the ``<view>.json`` sidecar."""
+        self._require_root()
+        base = self.root / "views"
+        if not base.is_dir():
+            return []
+        return sorted(p.stem for p in base.glob("*.json") if not p.name.startswith(".") and p.with_suffix(".parquet").is_file())
+
+    # -- tilesets and views ---------------------------------------------------------------------
+    def read_tileset(self, tileset: str, columns: list[str] | None = None) -> pd.DataFrame:
+        """``tiles.parquet`` of ``tileset`` (all columns, or ``columns``), validated: ``sample_id``
+        and ``image_path`` present, ``sample_id`` non-blank and unique."""
+        check_name("tileset", tileset)
+        path = tiles_path(self.root, tileset)
+        if not path.is_file():
+            raise CacheNotFoundError(f"tileset {tileset!r} not found: {path}")
+        try:
+            frame = pq.read_table(path, columns=columns).to_pandas()
+        except (pa.ArrowException, OSError) as exc:
+            raise LayoutError(f"{path}: cannot read: {exc}") from exc
+        need = [c for c in ("sample_id", "image_path") if columns is None or c in columns]
+        missing = [c for c in need if c not in frame.columns]
+        if missing:
+            raise ViewError(f"{path}: missing required columns {missing}")
+        if "sample_id" in frame.columns:
+            ids = normalize_ids(frame["sample_id"], source=str(path))
+            dup = pd.Series(ids).duplicated(keep=False).to_numpy()
+            if dup.any():
+                raise ViewError(f"{path}: column 'sample_id' must be unique; duplicates at rows {_rows(np.flatnonzero(dup))}")
+            frame["sample_id"] = ids
+        return frame
+
+    def _tileset_rows(self, tileset: str) -> int:
+        path = tiles_path(self.root, tileset)
+        if not path.is_file():
+            raise CacheNotFoundError(f"tileset {tileset!r} not found: {path}")
+        try:
+            return int(pq.read_metadata(path).num_rows)
+        except (pa.ArrowException, OSError) as exc:
+            raise LayoutError(f"{path}: cannot read Parquet metadata: {exc}") from exc
+
+    def view_spec(self, view: str) -> ViewSpec:
+        """The view's sidecar (tileset, confounder column, design hint)."""
+        check_name("view", view)
+        return parse_view_spec(view_sidecar_path(self.root, view), view=view)
+
+    def read_view(self, view: str) -> pd.DataFrame:
+        """The view's rows in view order, ready for croma's metric API.
+
+        Columns: ``sample_id`` (normalised str), ``image_path`` (from the tileset), ``label``,
+        ``group_id``, the confounder column, ``subset``/``split`` if present, any other view column,
+        and ``row`` (int64: position of the sample_id in ``tiles.parquet``). ``label``, ``group_id``
+        or the confounder column missing from the view are taken from the tileset.
+
+        Raises :class:`ViewError` naming the file, column and rows for missing columns, missing or
+        blank values in required columns, sample_ids unknown to the tileset, or a reserved ``row``
+        column; :class:`CacheNotFoundError` for a missing file.
+        """
+        spec = self.view_spec(view)
+        path = view_table_path(self.root, view)
+        if not path.is_file():
+            raise CacheNotFoundError(f"view {view!r} table not found: {path}")
+        try:
+            frame = pq.read_table(path).to_pandas()
+        except (pa.ArrowException, OSError) as exc:
+            raise LayoutError(f"{path}: cannot read: {exc}") from exc
+        if "sample_id" not in frame.columns:
+            raise ViewError(f"{path}: missing required column 'sample_id'")
+        if "row" in frame.columns:
+            raise ViewError(f"{path}: column 'row' is reserved (cachescore adds it when reading views)")
+        tiles = self.read_tileset(spec.tileset)
+        tpath = tiles_path(self.root, spec.tileset)
+        ids = normalize_ids(frame["sample_id"], source=str(path))
+        rows = pd.Index(tiles["sample_id"].to_numpy(dtype=object)).get_indexer(ids).astype(np.int64)
+        unknown = np.flatnonzero(rows < 0)
+        if unknown.size:
+            raise ViewError(f"{path}: sample_id values not in tileset {spec.tileset!r} ({tpath}) at rows "
+                            f"{_rows(unknown)} (e.g. {ids[unknown[0]]!r})")
+        frame = frame.reset_index(drop=True)
+        frame["sample_id"] = ids
+        required = (*VIEW_REQUIRED, spec.confounder_column)
+        for column in required:
+            if column not in frame.columns:
+                if column not in tiles.columns:
+                    raise ViewError(f"{path}: missing required column {column!r} (not in the view nor in {tpath})")
+                frame[column] = tiles[column].to_numpy()[rows]
+        frame["image_path"] = tiles["image_path"].to_numpy(dtype=object)[rows]
+        for column in (*required[1:], *(c for c in ("subset",) if c in frame.columns)):
+            blank = blank_rows(frame[column])
+            if blank.size:
+                raise ViewError(f"{path}: column {column!r} has missing or blank values at rows {_rows(blank)}")
+        frame["row"] = rows
+        first = ["sample_id", "image_path", "label", "group_id", spec.confounder_column]
+        first += [c for c in ("subset", "split") if c in frame.columns and c not in first]
+        rest = [c for c in frame.columns if c not in first and c != "row"]
+        frame = frame[list(dict.fromkeys(first + rest)) + ["row"]]
+        frame.attrs = {"view": view, "tileset": spec.tileset, "confounder_column": spec.confounder_column, "design": spec.design}
+        return frame
+
+    # -- embeddings -----------------------------------------------------------------------------
+    def meta(self, encoder: str, tileset: str) -> EmbeddingMeta:
+        """Parsed ``meta.json``, with its row count checked against ``tiles.parquet``."""
+        check_name("encoder", encoder)
+        check_name("tileset", tileset)
+        path = meta_path(self.root, encoder, tileset)
+        if not path.is_file():
+            known = self.embedding_tilesets(encoder) if (self.root / "embeddings" / encoder).is_dir() else []
+            hint = f"; encoder {encoder!r} has tilesets {known}" if known else f"; known encoders: {self.encoders()}"
+            raise CacheNotFoundError(f"no embeddings for encoder {encoder!r}, tileset {tileset!r}: {path} missing{hint}")
+        meta = parse_meta(path, encoder=encoder, tileset=tileset)
+        n_tiles = self._tileset_rows(tileset)
+        if meta.n_rows != n_tiles:
+            raise AlignmentError(f"embeddings of encoder {encoder!r}, tileset {tileset!r} have {meta.n_rows} rows "
+                                 f"but {tiles_path(self.root, tileset)} has {n_tiles}")
+        return meta
+
+    def _label(self, encoder: str, tileset: str) -> str:
+        return f"encoder {encoder!r}, tileset {tileset!r}"
+
+    def _paths(self, meta: EmbeddingMeta) -> tuple[str, ...]:
+        folder = embeddings_dir(self.root, meta.encoder, meta.tileset)
+        return tuple(str(folder / s.file) for s in meta.shards)
+
+    def embeddings(self, encoder: str, tileset: str, *, chunk_rows: int | None = None):
+        """Lazy ``dask.array`` of shape ``(n_tiles, dim)``, chunked along rows only.
+
+        Chunks follow the shards; ``chunk_rows`` splits shards further (chunks never straddle two
+        shards). Each task memmaps its shard on the worker and copies its rows; the graph holds
+        only paths and row ranges. Shard headers are not opened here: a missing or corrupt shard
+        raises :class:`ShardNotFoundError` / :class:`ShardError` when its chunk is computed (use
+        :meth:`validate_embeddings` to check up front).
+        """
+        from dask.base import tokenize
+
+        meta = self.meta(encoder, tileset)
+        if chunk_rows is not None and int(chunk_rows) < 1:
+            raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
+        paths = self._paths(meta)
+        label = self._label(encoder, tileset)
+        tasks, sizes = [], []
+        for shard, path in zip(meta.shards, paths):
+            step = int(chunk_rows) if chunk_rows else max(shard.rows, 1)
+            for lo in range(0, shard.rows, step):
+                hi = min(shard.rows, lo + step)
+                tasks.append((read_shard_rows, path, shard.rows, meta.dim, meta.dtype.str, lo, hi, label))
+                sizes.append(hi - lo)
+        if not tasks:  # zero rows: one empty chunk keeps shapes well defined
+            tasks.append((np.empty, (0, meta.dim), meta.dtype))
+            sizes.append(0)
+        name = f"cache-embeddings-{encoder}-{tileset}-" + tokenize(str(self.root), [s.sha256 for s in meta.shards], chunk_rows)
+        return _dask_array(name, tasks, (tuple(sizes), (meta.dim,)), meta.dtype)
+
+    def view_embeddings(self, encoder: str, view: str, *, chunk_rows: int | None = None):
+        """Lazy ``dask.array`` of the view's embeddings in view order: row ``i`` is tileset row
+        ``read_view(view)["row"][i]`` (rows may repeat). Chunked along rows only, ``chunk_rows``
+        per chunk (default about 128 MiB); each task gathers its rows from the shards it touches.
+        """
+        from dask.base import tokenize
+
+        spec = self.view_spec(view)
+        rows = self.read_view(view)["row"].to_numpy(dtype=np.int64)
+        return self._rows_array(encoder, spec.tileset, rows, chunk_rows=chunk_rows,
+                                token=tokenize(view, self.view_fingerprint(view)))
+
+    def rows_embeddings(self, encoder: str, tileset: str, rows, *, chunk_rows: int | None = None):
+        """Lazy ``dask.array`` of tileset rows ``rows`` (int64 positions, any order, repeats allowed)."""
+        from dask.base import tokenize
+
+        rows = np.asarray(rows, dtype=np.int64)
+        return self._rows_array(encoder, tileset, rows, chunk_rows=chunk_rows, token=tokenize(rows))
+
+    def _rows_array(self, encoder, tileset, rows, *, chunk_rows, token):
+        from dask.base import tokenize
+
+        meta = self.meta(encoder, tileset)
+        if rows.ndim != 1:
+            raise ValueError(f"rows must be 1-D, got shape {rows.shape}")
+        if rows.size and (rows.min() < 0 or rows.max() >= meta.n_rows):
+            raise IndexError(f"rows out of range [0, {meta.n_rows}) for {self._label(encoder, tileset)}")
+        step = int(chunk_rows) if chunk_rows else default_shard_rows(meta.dim, meta.dtype.itemsize)
+        if step < 1:
+            raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
+        paths, offsets, label = self._paths(meta), meta.offsets, self._label(encoder, tileset)
+        tasks, sizes = [], []
+        for lo in range(0, rows.size, step):
+            part = rows[lo : lo + step].copy()
+            tasks.append((gather_rows, paths, offsets, meta.dim, meta.dtype.str, part, label))
+            sizes.append(part.size)
+        if not tasks:
+            tasks.append((np.empty, (0, meta.dim), meta.dtype))
+            sizes.append(0)
+        name = f"cache-rows-{encoder}-{tileset}-" + tokenize(str(self.root), [s.sha256 for s in meta.shards], step, token)
+        return _dask_array(name, tasks, (tuple(sizes), (meta.dim,)), meta.dtype)
+
+    def load_rows(self, encoder: str, tileset: str, rows=None) -> np.ndarray:
+        """Eager numpy array of tileset rows ``rows`` (int64 positions; None = all), for use inside a
+        worker task. Shape ``(len(rows), dim)``, the cache's dtype."""
+        meta = self.meta(encoder, tileset)
+        paths, label = self._paths(meta), self._label(encoder, tileset)
+        if rows is None:
+            out = np.empty(meta.shape, dtype=meta.dtype)
+            for shard, path in zip(meta.shards, paths):
+                out[shard.start : shard.stop] = _open_shard(path, shard.rows, meta.dim, meta.dtype, label)
+            return out
+        rows = np.asarray(rows)
+        if rows.ndim != 1 or not (np.issubdtype(rows.dtype, np.integer) or rows.size == 0):
+            raise ValueError(f"rows must be a 1-D integer array, got shape {rows.shape} dtype {rows.dtype}")
+        return gather_rows(paths, meta.offsets, meta.dim, meta.dtype.str, rows.astype(np.int64), label)
+
+    # -- fingerprints ---------------------------------------------------------------------------
+    def embedding_fingerprint(self, encoder: str, tileset: str) -> str:
+        """sha256 hex over the embedding content as recorded in ``meta.json``: shape, dtype, shard
+        row counts and checksums, and the sample_id alignment digest. Cheap (no shard is read)."""
+        meta = self.meta(encoder, tileset)
+        payload = {"shape": list(meta.shape), "dtype": meta.dtype.name, "sample_ids_sha256": meta.sample_ids_sha256,
+                   "shards": [[s.rows, s.sha256] for s in meta.shards]}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+    def view_fingerprint(self, view: str) -> str:
+        """sha256 hex over the view's Parquet bytes, its sidecar content and its tileset's
+        ``tiles.parquet`` bytes (the row mapping and image paths come from there)."""
+        spec = self.view_spec(view)
+        table = view_table_path(self.root, view)
+        if not table.is_file():
+            raise CacheNotFoundError(f"view {view!r} table not found: {table}")
+        tiles = tiles_path(self.root, spec.tileset)
+        if not tiles.is_file():
+            raise CacheNotFoundError(f"view {view!r}: tileset {spec.tileset!r} not found: {tiles}")
+        payload = {"view": _sha256_file(table), "tiles": _sha256_file(tiles),
+                   "sidecar": {"tileset": spec.tileset, "confounder_column": spec.confounder_column, "design": spec.design}}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+    # -- validation -----------------------------------------------------------------------------
+    def _stat_signature(self, meta: EmbeddingMeta) -> tuple:
+        files = [meta_path(self.root, meta.encoder, meta.tileset), tiles_path(self.root, meta.tileset), *map(Path, self._paths(meta))]
+        out = []
+        for f in files:
+            try:
+                st = f.stat()
+            except FileNotFoundError:
+                return ()
+            out.append((str(f), st.st_size, st.st_mtime_ns, st.st_ino))
+        return tuple(out)
+
+    def validate_embeddings(self, encoder: str, tileset: str, *, checksums: bool = True, finite: bool = True,
+                            reuse: bool = True) -> EmbeddingMeta:
+        """Check one embedding array fully; return its meta when valid.
+
+        In order: ``meta.json`` parses; row count equals ``tiles.parquet``; sample_id order equals
+        the one the embeddings were written for; every shard exists, has the recorded shape and
+        dtype, and (``checksums``) the recorded sha256; (``finite``) no NaN/inf, checked per shard
+        with a cheap sum first and row indices only on failure.
+
+        With ``reuse`` a full validation that already passed in this process is not repeated while
+        the size, mtime and inode of ``meta.json``, ``tiles.parquet`` and every shard are unchanged
+        (work units of one worker share an encoder's embeddings).
+
+        Raises :class:`AlignmentError`, :class:`ShardNotFoundError`, :class:`ShardError`,
+        :class:`NonFiniteError`, each naming encoder, tileset, shard file and row range.
+        """
+        meta = self.meta(encoder, tileset)
+        key = (str(self.root.resolve()), encoder, tileset, checksums, finite)
+        signature = self._stat_signature(meta)
+        if reuse and signature and _VALIDATED.get(key) == signature:
+            return meta
+        label = self._label(encoder, tileset)
+        tiles = self.read_tileset(tileset, columns=["sample_id"])
+        if sample_ids_digest(tiles["sample_id"].to_numpy(dtype=object)) != meta.sample_ids_sha256:
+            raise AlignmentError(f"{label}: {tiles_path(self.root, tileset)} sample_id order differs from the one "
+                                 "these embeddings were written for; rows are no longer aligned (re-import them)")
+        for shard, path in zip(meta.shards, self._paths(meta)):
+            mm = _open_shard(path, shard.rows, meta.dim, meta.dtype, label)
+            if checksums and _sha256_file(Path(path)) != shard.sha256:
+                raise ShardError(f"{label}: shard {path} (rows {shard.start}:{shard.stop}) does not match its sha256 in meta.json")
+            if finite and shard.rows:
+                step = max(1, (64 << 20) // max(1, meta.dim * meta.dtype.itemsize))
+                for lo in range(0, shard.rows, step):
+                    block = np.asarray(mm[lo : lo + step])
+                    with np.errstate(over="ignore", invalid="ignore"):
+                        total = block.sum(dtype=np.float64)
+                    if np.isfinite(total):
+                        continue
+                    bad = np.flatnonzero(~np.isfinite(block).all(axis=1))
+                    if bad.size:
+                        rows = bad + shard.start + lo
+                        raise NonFiniteError(f"{label}: shard {path} (rows {shard.start}:{shard.stop}) has NaN or "
+                                             f"infinite values at tileset rows {_rows(rows)}")
+        if signature and signature == self._stat_signature(meta):
+            if len(_VALIDATED) >= _VALIDATED_MAX:
+                _VALIDATED.pop(next(iter(_VALIDATED)))
+            _VALIDATED[key] = signature
+        return meta
+
+    def info(self) -> dict:
+        """Cache-level ``cache.json`` content ({} when absent)."""
+        path = self.root / "cache.json"
+        if not path.is_file():
+            return {}
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise LayoutError(f"{path} is not valid JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise LayoutError(f"{path} must hold a JSON object")
+        return data

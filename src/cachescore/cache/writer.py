@@ -1,0 +1,357 @@
+"""Write tilesets, embeddings and views into a cache folder (layout: :mod:`cachescore.cache.layout`).
+
+Every write is atomic: tables and JSON go through a ``.partial`` sibling + rename, embeddings are
+written into a hidden staging folder that is renamed into place only when every shard and
+``meta.json`` are complete. Nothing is overwritten unless ``overwrite=True``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ..store.atomic import PARTIAL_SUFFIX, atomic_replace_dir, atomic_write, atomic_write_json
+from .errors import AlignmentError, CacheError, CacheNotFoundError, LayoutError, NonFiniteError, ViewError
+from .layout import (
+    FLOAT_DTYPES,
+    META_FORMAT,
+    META_VERSION,
+    SIDECAR_VERSION,
+    check_name,
+    embeddings_dir,
+    tiles_path,
+    view_sidecar_path,
+    view_table_path,
+)
+
+__all__ = [
+    "DEFAULT_SHARD_BYTES",
+    "write_tileset",
+    "write_embeddings",
+    "write_embeddings_blocks",
+    "write_view",
+    "default_shard_rows",
+    "normalize_ids",
+    "sample_ids_digest",
+]
+
+#: Target size of one embedding shard (and of one dask chunk when reading): 128 MiB.
+DEFAULT_SHARD_BYTES = 128 << 20
+#: Rows copied per step while streaming a shard to disk (bounds writer memory).
+_COPY_ROWS = 65536
+
+
+def default_shard_rows(dim: int, itemsize: int, target_bytes: int = DEFAULT_SHARD_BYTES) -> int:
+    """Rows per shard so that one shard holds about ``target_bytes`` (at least 1 row)."""
+    return max(1, int(target_bytes) // max(1, int(dim) * int(itemsize)))
+
+
+def normalize_ids(values, *, source: str, column: str = "sample_id") -> np.ndarray:
+    """``str(v).strip()`` of every value as an object array; missing or blank values raise ``ViewError``
+    naming ``source``, ``column`` and the first offending row positions. Vectorised (pandas string ops)."""
+    series = pd.Series(values, copy=False).reset_index(drop=True)
+    missing = series.isna().to_numpy()
+    out = _strip_strings(series)
+    bad = np.flatnonzero(missing | (out == ""))
+    if bad.size:
+        raise ViewError(f"{source}: column {column!r} has missing or blank values at rows {_rows(bad)}")
+    return out
+
+
+def _strip_strings(series: pd.Series) -> np.ndarray:
+    """``str(v).strip()`` for every value, as an object array (missing values become ``""``)."""
+    text = series.astype(object).where(series.notna(), "").astype(str)
+    return text.str.strip().to_numpy(dtype=object)
+
+
+def blank_rows(series: pd.Series) -> np.ndarray:
+    """Positions whose value is missing (None/NaN/NA) or a string that is blank after stripping."""
+    series = series.reset_index(drop=True)
+    missing = series.isna().to_numpy()
+    if series.dtype == object or pd.api.types.is_string_dtype(series.dtype):
+        missing = missing | (_strip_strings(series) == "")
+    return np.flatnonzero(missing)
+
+
+def sample_ids_digest(ids: np.ndarray) -> str:
+    """sha256 of the JSON list of normalised sample IDs (pins row alignment of embeddings)."""
+    return hashlib.sha256(json.dumps([str(v) for v in ids], separators=(",", ":")).encode("utf-8")).hexdigest()
+
+
+def _rows(positions: np.ndarray, limit: int = 5) -> str:
+    shown = [int(i) for i in np.asarray(positions)[:limit]]
+    more = f" (and {len(positions) - limit} more)" if len(positions) > limit else ""
+    return f"{shown}{more}"
+
+
+def _write_parquet(path: Path, frame: pd.DataFrame, *, string_columns: tuple[str, ...], overwrite: bool, source: str) -> None:
+    """Write ``frame`` as Parquet with an explicit schema: ``string_columns`` as ``string``, the rest
+    as pyarrow infers them from pandas (no index)."""
+    fields = []
+    for name in frame.columns:
+        if not isinstance(name, str):
+            raise CacheError(f"{source}: column names must be strings, got {name!r}")
+        if name in string_columns:
+            fields.append(pa.field(name, pa.string()))
+        else:
+            try:
+                fields.append(pa.field(name, pa.Schema.from_pandas(frame[[name]], preserve_index=False).field(name).type))
+            except (pa.ArrowException, TypeError, ValueError) as exc:
+                raise CacheError(f"{source}: column {name!r} cannot be stored in Parquet: {exc}") from exc
+    schema = pa.schema(fields)
+    try:
+        table = pa.Table.from_pandas(frame, schema=schema, preserve_index=False).replace_schema_metadata(None)
+    except (pa.ArrowException, TypeError, ValueError) as exc:
+        raise CacheError(f"{source}: cannot convert to Parquet with schema {schema}: {exc}") from exc
+    atomic_write(path, lambda fh: pq.write_table(table, fh), overwrite=overwrite)
+
+
+def write_tileset(root, tileset: str, frame: pd.DataFrame, *, overwrite: bool = False) -> Path:
+    """Write ``tilesets/<tileset>/tiles.parquet``.
+
+    ``frame`` needs ``sample_id`` (unique after ``str(v).strip()``) and ``image_path``; any other
+    columns are kept as metadata. Row order is the row order of every embedding of this tileset.
+    Both required columns are stored as normalised strings.
+
+    Raises ``ValueError`` (bad name), :class:`ViewError` (missing column, blank or duplicate
+    sample_id, naming rows), ``FileExistsError`` (exists and not ``overwrite``). Returns the path.
+    """
+    check_name("tileset", tileset)
+    path = tiles_path(Path(root), tileset)
+    source = f"tileset {tileset!r}"
+    if not isinstance(frame, pd.DataFrame):
+        raise TypeError(f"{source}: frame must be a pandas DataFrame, got {type(frame).__name__}")
+    missing = [c for c in ("sample_id", "image_path") if c not in frame.columns]
+    if missing:
+        raise ViewError(f"{source}: missing required columns {missing}")
+    if "row" in frame.columns:
+        raise ViewError(f"{source}: column 'row' is reserved (cachescore adds it when reading views)")
+    ids = normalize_ids(frame["sample_id"], source=source)
+    dup = pd.Series(ids).duplicated(keep=False).to_numpy()
+    if dup.any():
+        where = np.flatnonzero(dup)
+        raise ViewError(f"{source}: column 'sample_id' must be unique; duplicates at rows {_rows(where)} "
+                        f"(e.g. {ids[where[0]]!r})")
+    out = frame.reset_index(drop=True).copy()
+    out["sample_id"] = ids
+    out["image_path"] = _strip_strings(out["image_path"])
+    _write_parquet(path, out, string_columns=("sample_id", "image_path"), overwrite=overwrite, source=source)
+    return path
+
+
+def _tileset_ids(root: Path, tileset: str) -> np.ndarray:
+    path = tiles_path(root, tileset)
+    if not path.is_file():
+        raise CacheNotFoundError(f"tileset {tileset!r} not found: {path}; write it first with write_tileset")
+    try:
+        col = pq.read_table(path, columns=["sample_id"]).column("sample_id").to_numpy(zero_copy_only=False)
+    except (pa.ArrowException, OSError, KeyError) as exc:
+        raise LayoutError(f"{path}: cannot read column 'sample_id': {exc}") from exc
+    return np.asarray(col, dtype=object)
+
+
+class _HashingWriter:
+    """File wrapper that feeds every written byte to a sha256."""
+
+    def __init__(self, fh):
+        self.fh, self.sha = fh, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        return self.fh.write(data)
+
+
+def write_embeddings_blocks(
+    root,
+    encoder: str,
+    tileset: str,
+    *,
+    n_rows: int,
+    dim: int,
+    dtype,
+    read_block: Callable[[int, int], np.ndarray],
+    shard_rows: int | None = None,
+    overwrite: bool = False,
+    check_finite: bool = True,
+    source: str | None = None,
+) -> Path:
+    """Stream an embedding array into row shards; ``read_block(start, stop)`` returns rows
+    ``start:stop`` as an array of shape ``(stop - start, dim)`` and ``dtype``.
+
+    This is the engine of :func:`write_embeddings` and of the importer; memory is bounded by one
+    copy step, not by ``n_rows``. Raises like :func:`write_embeddings`.
+    """
+    root = Path(root)
+    check_name("encoder", encoder)
+    check_name("tileset", tileset)
+    source = source or f"embeddings of encoder {encoder!r}"
+    dtype = np.dtype(dtype)
+    if dtype.name not in FLOAT_DTYPES:
+        raise LayoutError(f"{source}: dtype must be one of {list(FLOAT_DTYPES)}, got {dtype}; cast explicitly")
+    ids = _tileset_ids(root, tileset)
+    if int(n_rows) != len(ids):
+        raise AlignmentError(f"{source}: has {n_rows} rows but tileset {tileset!r} has {len(ids)} tiles; "
+                             "row i must be the embedding of tiles.parquet row i")
+    if shard_rows is None:
+        shard_rows = default_shard_rows(dim, dtype.itemsize)
+    if int(shard_rows) < 1:
+        raise ValueError(f"shard_rows must be a positive int, got {shard_rows!r}")
+    target = embeddings_dir(root, encoder, tileset)
+    if target.exists() and not overwrite:
+        raise FileExistsError(f"{target} already exists; pass overwrite=True to replace it")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.with_name(f".{tileset}.{os.getpid()}-{uuid.uuid4().hex}{PARTIAL_SUFFIX}")
+    staging.mkdir()
+    try:
+        shards = []
+        for index, start in enumerate(range(0, int(n_rows), int(shard_rows)) if n_rows else [0]):
+            stop = min(int(n_rows), start + int(shard_rows))
+            name = f"shard-{index:05d}.npy"
+            shards.append({"file": name, "rows": stop - start,
+                           "sha256": _write_shard(staging / name, start, stop, dim, dtype, read_block,
+                                                  check_finite=check_finite, source=source)})
+        meta = {
+            "format": META_FORMAT,
+            "version": META_VERSION,
+            "encoder": encoder,
+            "tileset": tileset,
+            "shape": [int(n_rows), int(dim)],
+            "dtype": dtype.name,
+            "shards": shards,
+            "sample_ids_sha256": sample_ids_digest(ids),
+        }
+        atomic_write_json(staging / "meta.json", meta)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return atomic_replace_dir(staging, target, overwrite=overwrite)
+
+
+def _write_shard(path: Path, start: int, stop: int, dim: int, dtype: np.dtype, read_block, *, check_finite: bool, source: str) -> str:
+    header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (stop - start, int(dim))}
+    with open(path, "wb") as fh:
+        out = _HashingWriter(fh)
+        np.lib.format.write_array_header_1_0(out, header)
+        for lo in range(start, stop, _COPY_ROWS):
+            hi = min(stop, lo + _COPY_ROWS)
+            block = np.asarray(read_block(lo, hi))
+            if block.shape != (hi - lo, int(dim)):
+                raise AlignmentError(f"{source}: rows {lo}:{hi} have shape {block.shape}, expected {(hi - lo, int(dim))}")
+            if block.dtype != dtype:
+                raise LayoutError(f"{source}: rows {lo}:{hi} have dtype {block.dtype}, expected {dtype}")
+            if check_finite:
+                _check_finite_block(block, lo, source)
+            out.write(np.ascontiguousarray(block).tobytes(order="C"))
+        fh.flush()
+        os.fsync(fh.fileno())
+    return out.sha.hexdigest()
+
+
+def _check_finite_block(block: np.ndarray, offset: int, source: str) -> None:
+    if block.size == 0:
+        return
+    with np.errstate(over="ignore", invalid="ignore"):
+        total = block.sum(dtype=np.float64)
+    if np.isfinite(total):
+        return
+    bad = np.flatnonzero(~np.isfinite(block).all(axis=1))
+    if bad.size:
+        raise NonFiniteError(f"{source}: NaN or infinite values at rows {_rows(bad + offset)}")
+
+
+def write_embeddings(root, encoder: str, tileset: str, array, *, shard_rows: int | None = None,
+                     overwrite: bool = False, check_finite: bool = True) -> Path:
+    """Write ``embeddings/<encoder>/<tileset>/`` from a 2-D float array aligned with ``tiles.parquet``.
+
+    ``array`` may be a numpy array (a memmap is streamed) or a dask array (computed one copy step at
+    a time) of shape ``(n_tiles, dim)`` and dtype float16/32/64 (no silent cast). Shards hold
+    ``shard_rows`` rows (default: about 128 MiB each). With ``check_finite`` rows holding NaN/inf
+    raise :class:`NonFiniteError` naming them. The folder appears only once complete.
+
+    Raises :class:`CacheNotFoundError` (tileset missing), :class:`AlignmentError` (row count),
+    :class:`LayoutError` (dtype, ndim), ``FileExistsError`` (exists and not ``overwrite``).
+    """
+    source = f"embeddings of encoder {encoder!r} for tileset {tileset!r}"
+    if not hasattr(array, "shape") or not hasattr(array, "dtype"):
+        raise TypeError(f"{source}: array must be a numpy or dask array, got {type(array).__name__}")
+    if len(array.shape) != 2:
+        raise LayoutError(f"{source}: array must be 2-D (n_tiles, dim), got shape {tuple(array.shape)}")
+    if any(isinstance(s, float) and np.isnan(s) for s in array.shape):
+        raise LayoutError(f"{source}: dask array has unknown chunk sizes; call .compute_chunk_sizes() first")
+    n_rows, dim = (int(s) for s in array.shape)
+
+    def read_block(lo: int, hi: int) -> np.ndarray:
+        block = array[lo:hi]
+        return np.asarray(block.compute() if hasattr(block, "compute") else block)
+
+    return write_embeddings_blocks(root, encoder, tileset, n_rows=n_rows, dim=dim, dtype=array.dtype,
+                                   read_block=read_block, shard_rows=shard_rows, overwrite=overwrite,
+                                   check_finite=check_finite, source=source)
+
+
+#: Columns a view must provide (itself or through its tileset), besides the confounder column.
+VIEW_REQUIRED = ("sample_id", "label", "group_id")
+
+
+def write_view(root, view: str, frame: pd.DataFrame, *, tileset: str, confounder_column: str,
+               design: str | None = None, overwrite: bool = False) -> Path:
+    """Write ``views/<view>.parquet`` and its sidecar ``views/<view>.json``.
+
+    ``frame`` lists the view's rows in order (a sample_id may repeat, e.g. once per paired subset).
+    It needs ``sample_id``; ``label``, ``group_id`` and ``confounder_column`` must be in the view or
+    in the tileset's ``tiles.parquet``. ``design`` (``all``/``paired_2x2``/None) is recorded as a hint.
+    The sidecar is written last, so a view is listed only when both files exist.
+
+    Raises :class:`ViewError` (missing columns, blank/unknown sample_id, naming rows),
+    :class:`CacheNotFoundError` (tileset missing), ``FileExistsError`` (exists and not ``overwrite``).
+    """
+    root = Path(root)
+    check_name("view", view)
+    check_name("tileset", tileset)
+    source = f"view {view!r}"
+    if not isinstance(frame, pd.DataFrame):
+        raise TypeError(f"{source}: frame must be a pandas DataFrame, got {type(frame).__name__}")
+    column = str(confounder_column).strip()
+    if not column:
+        raise ViewError(f"{source}: confounder_column must be a non-empty string")
+    if design is not None:
+        design = str(design).strip().lower()
+        if design not in ("all", "paired_2x2"):
+            raise ViewError(f"{source}: design must be 'all', 'paired_2x2' or None, got {design!r}")
+    if "sample_id" not in frame.columns:
+        raise ViewError(f"{source}: missing required column 'sample_id'")
+    if "row" in frame.columns:
+        raise ViewError(f"{source}: column 'row' is reserved (cachescore adds it when reading views)")
+    tiles = tiles_path(root, tileset)
+    if not tiles.is_file():
+        raise CacheNotFoundError(f"{source}: tileset {tileset!r} not found: {tiles}")
+    tile_columns = pq.read_schema(tiles).names
+    missing = [c for c in (*VIEW_REQUIRED, column) if c not in frame.columns and c not in tile_columns]
+    if missing:
+        raise ViewError(f"{source}: missing required columns {missing} (in neither the view nor {tiles})")
+    ids = normalize_ids(frame["sample_id"], source=source)
+    known = pd.Index(_tileset_ids(root, tileset))
+    unknown = np.flatnonzero(known.get_indexer(ids) < 0)
+    if unknown.size:
+        raise ViewError(f"{source}: sample_id values not in tileset {tileset!r} at rows {_rows(unknown)} "
+                        f"(e.g. {ids[unknown[0]]!r})")
+    out = frame.reset_index(drop=True).copy()
+    out["sample_id"] = ids
+    if view_sidecar_path(root, view).exists() and not overwrite:
+        raise FileExistsError(f"{view_sidecar_path(root, view)} already exists; pass overwrite=True to replace it")
+    _write_parquet(view_table_path(root, view), out, string_columns=("sample_id",), overwrite=True, source=source)
+    sidecar = {"version": SIDECAR_VERSION, "tileset": tileset, "confounder_column": column}
+    if design is not None:
+        sidecar["design"] = design
+    atomic_write_json(view_sidecar_path(root, view), sidecar, overwrite=True)
+    return view_table_path(root, view)

@@ -1,0 +1,361 @@
+"""Job files: a versioned, validated TOML schema (read with the stdlib :mod:`tomllib`).
+
+A job names a cache, a results store and what to score in it. Every key is declared once, in
+:data:`SCHEMA`, with its type, default and one-line description; :func:`load_job` checks a file
+against it and returns a frozen :class:`Job`. Unknown keys, wrong types and out-of-range values
+are errors (:class:`JobError`, a ``ValueError``) that name the file and the dotted key.
+
+Layout of a job file (``schema_version = 1``)::
+
+    schema_version = 1
+    [job]        name, cache, store, encoders, views, design
+    [demo]       synthesise, seed, n_slides_per_cell, tiles_per_slide, dim   (optional)
+    [metrics]    families
+    [metrics.ri]     k_candidates
+    [metrics.mari]   k_candidates, tau, warn_tau
+    [metrics.croma]  m, alpha, start_k, k_growth_factor
+    [neighbors]  backend, auto_threshold, recall_target, recall_sample, seed
+    [execution]  n_workers, memory_limit, retries, dashboard, performance_report, scheduler
+
+Relative paths (``job.cache``, ``job.store``) are resolved against the job file's folder, so a
+job file can travel with its cache. ``print(describe_schema())`` lists every key.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "SCHEMA",
+    "FAMILIES",
+    "BACKENDS",
+    "JobError",
+    "Key",
+    "Job",
+    "load_job",
+    "parse_job",
+    "describe_schema",
+]
+
+#: The only job-file schema version this release reads.
+SCHEMA_VERSION = 1
+
+#: Metric families a job may request, in scoring order.
+FAMILIES = ("ri", "mari", "croma")
+
+#: Neighbour backends: exact blocked search, approximate (pynndescent + exact refine), or chosen by cost.
+BACKENDS = ("exact", "ann", "auto")
+
+#: Designs a job may force; ``auto`` uses each view's design hint (``all`` when it has none).
+JOB_DESIGNS = ("auto", "all", "paired_2x2")
+
+
+class JobError(ValueError):
+    """A job file is unreadable or does not follow the schema. The message names file and key."""
+
+
+@dataclass(frozen=True)
+class Key:
+    """One job-file key: expected type, default, description and an optional value check.
+
+    ``check(value)`` returns an error text (what was expected) or ``None`` when the value is fine.
+    """
+
+    type: tuple
+    default: Any
+    doc: str
+    check: Callable[[Any], str | None] | None = None
+
+
+def _positive_int(v):
+    return None if isinstance(v, int) and not isinstance(v, bool) and v > 0 else "a positive integer"
+
+
+def _non_negative_int(v):
+    return None if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else "an integer >= 0"
+
+
+def _int_list(v):
+    if not isinstance(v, list) or not v:
+        return "a non-empty list of positive integers"
+    if any(not isinstance(x, int) or isinstance(x, bool) or x <= 0 for x in v):
+        return "a non-empty list of positive integers"
+    return None
+
+
+def _str_list(v):
+    if not isinstance(v, list) or any(not isinstance(x, str) or not x.strip() for x in v):
+        return "a list of non-empty strings"
+    if len(set(v)) != len(v):
+        return "a list without duplicates"
+    return None
+
+
+def _families(v):
+    err = _str_list(v)
+    if err or not v:
+        return "a non-empty list drawn from " + ", ".join(FAMILIES)
+    bad = [x for x in v if x not in FAMILIES]
+    return f"a list drawn from {', '.join(FAMILIES)} (got {', '.join(bad)})" if bad else None
+
+
+def _one_of(options):
+    def check(v):
+        return None if v in options else "one of " + ", ".join(repr(o) for o in options)
+
+    return check
+
+
+def _tau(v):
+    if v == "auto":
+        return None
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0:
+        return None
+    return "'auto' or a finite number > 0"
+
+
+def _alpha(v):
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1
+    return None if ok else "a number in (0, 1)"
+
+
+def _alpha_closed(v):
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1
+    return None if ok else "a number in (0, 1]"
+
+
+def _growth(v):
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 1
+    return None if ok else "a finite number > 1"
+
+
+def _positive_number(v):
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+    return None if ok else "a finite number > 0"
+
+
+def _non_empty(v):
+    return None if isinstance(v, str) and v.strip() else "a non-empty string"
+
+
+_NUM = (int, float)
+
+#: Every key of schema version 1: section -> key -> :class:`Key`. Nested sections use dotted names.
+SCHEMA: dict[str, dict[str, Key]] = {
+    "job": {
+        "name": Key((str,), "job", "Job name, recorded in provenance.", _non_empty),
+        "cache": Key((str,), None, "Cache folder (required); relative to the job file's folder.", _non_empty),
+        "store": Key((str,), None, "Results store folder (required); relative to the job file's folder.", _non_empty),
+        "encoders": Key((list,), [], "Encoders to score; empty = every encoder in the cache.", _str_list),
+        "views": Key((list,), [], "Views to score; empty = every view in the cache.", _str_list),
+        "design": Key((str,), "auto", "Evaluation design: 'auto' (the view's hint, else 'all'), 'all' or 'paired_2x2'.",
+                      _one_of(JOB_DESIGNS)),
+    },
+    "demo": {
+        "synthesise": Key((bool,), False, "Synthesise the demo cache at job.cache when that folder does not exist."),
+        "seed": Key((int,), 0, "Seed of the synthetic demo cache.", _non_negative_int),
+        "n_slides_per_cell": Key((int,), 3, "Slides per (label, confounder) cell of the demo cache.", _positive_int),
+        "tiles_per_slide": Key((int,), 20, "Tiles per slide of the demo cache.", _positive_int),
+        "dim": Key((int,), 32, "Embedding width of the demo cache.", _positive_int),
+    },
+    "metrics": {
+        "families": Key((list,), list(FAMILIES), "Metric families to score: any of 'ri', 'mari', 'croma'.", _families),
+    },
+    "metrics.ri": {
+        "k_candidates": Key((list,), [5, 11, 21], "RI candidate window sizes (operating k chosen by kNN balanced accuracy).",
+                            _int_list),
+    },
+    "metrics.mari": {
+        "k_candidates": Key((list,), [5, 11, 21], "MaRI candidate window sizes.", _int_list),
+        "tau": Key((str, int, float), "auto", "MaRI temperature: 'auto' (median typed distance) or a number > 0.", _tau),
+        "warn_tau": Key((bool,), False, "With a pinned tau, run croma's off-scale check (a warning only)."),
+    },
+    "metrics.croma": {
+        "m": Key((list,), [5], "Typed neighbours averaged per unit; one result (one work unit) per m.", _int_list),
+        "alpha": Key(_NUM, 0.10, "Lower-tail level for q_alpha / ltm_alpha.", _alpha),
+        "start_k": Key((int,), 200, "croma's initial window (recorded; the exact typed search does not need it).",
+                       _positive_int),
+        "k_growth_factor": Key(_NUM, 2.0, "croma's window growth factor (recorded, as start_k).", _growth),
+    },
+    "neighbors": {
+        "backend": Key((str,), "auto", "Neighbour search: 'exact', 'ann' or 'auto' (exact below auto_threshold).",
+                       _one_of(BACKENDS)),
+        "auto_threshold": Key(_NUM, 2.0e13, "Scope cost n*n*d above which 'auto' switches to ANN.", _positive_number),
+        "recall_target": Key(_NUM, 0.99, "ANN: widen the candidate set until the measured recall reaches this.",
+                             _alpha_closed),
+        "recall_sample": Key((int,), 1000, "Queries sampled to measure ANN recall against exact search.", _positive_int),
+        "seed": Key((int,), 0, "Seed of the ANN graph and of the recall sample.", _non_negative_int),
+    },
+    "execution": {
+        "scheduler": Key((str,), "", "Dask scheduler address (tcp://host:port); empty = a LocalCluster. "
+                                     "The CLI's --scheduler overrides it."),
+        "n_workers": Key((int,), 2, "LocalCluster worker processes (one thread each).", _positive_int),
+        "memory_limit": Key((str,), "auto", "LocalCluster memory limit per worker ('auto' or e.g. '4GiB').", _non_empty),
+        "retries": Key((int,), 2, "Retries of a work unit after a transient (non-data) failure.", _non_negative_int),
+        "dashboard": Key((bool,), True, "Serve the LocalCluster dashboard on 127.0.0.1 (a free port) and print its URL."),
+        "performance_report": Key((bool,), True, "Save a Dask performance report (HTML) in the store's run folder."),
+    },
+}
+
+
+@dataclass(frozen=True)
+class Job:
+    """A validated job. ``cache`` and ``store`` are absolute paths; sections are plain dicts with
+    every key of :data:`SCHEMA` present (defaults filled in)."""
+
+    path: Path | None
+    name: str
+    cache: Path
+    store: Path
+    encoders: tuple[str, ...]
+    views: tuple[str, ...]
+    design: str
+    demo: dict = field(default_factory=dict)
+    metrics: dict = field(default_factory=dict)
+    neighbors: dict = field(default_factory=dict)
+    execution: dict = field(default_factory=dict)
+    #: The normalised document (all keys, defaults filled), as recorded in provenance.
+    document: dict = field(default_factory=dict)
+
+
+def describe_schema() -> str:
+    """Human-readable list of every key with its default and meaning."""
+    lines = [f"schema_version = {SCHEMA_VERSION}"]
+    for section, keys in SCHEMA.items():
+        lines.append(f"[{section}]")
+        for name, key in keys.items():
+            default = "(required)" if key.default is None else repr(key.default)
+            lines.append(f"  {name} = {default}  # {key.doc}")
+    return "\n".join(lines)
+
+
+def _type_name(types: tuple) -> str:
+    names = {str: "a string", bool: "a boolean", int: "an integer", float: "a number", list: "a list"}
+    return " or ".join(dict.fromkeys(names.get(t, t.__name__) for t in types))
+
+
+def _check_value(src: str, dotted: str, key: Key, value) -> Any:
+    if isinstance(value, bool) and bool not in key.type:
+        raise JobError(f"{src}: key '{dotted}' must be {_type_name(key.type)}, got {value!r}")
+    if not isinstance(value, key.type):
+        raise JobError(f"{src}: key '{dotted}' must be {_type_name(key.type)}, got {value!r}")
+    if key.check is not None:
+        expected = key.check(value)
+        if expected is not None:
+            raise JobError(f"{src}: key '{dotted}' must be {expected}, got {value!r}")
+    return list(value) if isinstance(value, list) else value
+
+
+def parse_job(doc: dict, *, path: str | Path | None = None) -> Job:
+    """Validate a parsed TOML document and build a :class:`Job`.
+
+    Parameters
+    ----------
+    doc : dict
+        The document as returned by :func:`tomllib.loads`.
+    path : path-like, optional
+        The job file; relative ``job.cache``/``job.store`` resolve against its folder (else the
+        current directory) and every error message starts with it.
+
+    Raises
+    ------
+    JobError
+        Missing or unsupported ``schema_version``, an unknown section or key (named with its
+        dotted path), a wrong type or value, or a missing required key.
+    """
+    src = str(path) if path is not None else "<job>"
+    if not isinstance(doc, dict):
+        raise JobError(f"{src}: a job must be a TOML table")
+    if "schema_version" not in doc:
+        raise JobError(f"{src}: missing key 'schema_version' (this release reads schema_version = {SCHEMA_VERSION})")
+    version = doc["schema_version"]
+    if version != SCHEMA_VERSION or isinstance(version, bool):
+        raise JobError(f"{src}: unsupported schema_version {version!r}; this release reads {SCHEMA_VERSION}")
+
+    out: dict[str, dict] = {}
+
+    def walk(table: dict, prefix: str) -> None:
+        for name, value in table.items():
+            dotted = f"{prefix}.{name}" if prefix else name
+            if not prefix and name == "schema_version":
+                continue
+            if dotted in SCHEMA:
+                if not isinstance(value, dict):
+                    raise JobError(f"{src}: '{dotted}' must be a table ([{dotted}]), got {value!r}")
+                walk(value, dotted)
+            elif prefix in SCHEMA and name in SCHEMA[prefix]:
+                out.setdefault(prefix, {})[name] = _check_value(src, dotted, SCHEMA[prefix][name], value)
+            else:
+                where = f"section [{prefix}]" if prefix else "the top level"
+                known = sorted(SCHEMA[prefix]) if prefix in SCHEMA else sorted(
+                    ["schema_version"] + [s for s in SCHEMA if "." not in s])
+                known += sorted(s[len(prefix) + 1:] for s in SCHEMA if prefix and s.startswith(prefix + "."))
+                raise JobError(f"{src}: unknown key '{dotted}' in {where} (known: {', '.join(known)})")
+
+    walk(doc, "")
+    full: dict[str, dict] = {}
+    for section, keys in SCHEMA.items():
+        given = out.get(section, {})
+        values = {}
+        for name, key in keys.items():
+            if name in given:
+                values[name] = given[name]
+            elif key.default is None:
+                raise JobError(f"{src}: missing required key '{section}.{name}'")
+            else:
+                values[name] = list(key.default) if isinstance(key.default, list) else key.default
+        full[section] = values
+
+    base = Path(path).resolve().parent if path is not None else Path.cwd()
+    jobs = full["job"]
+
+    def resolve(p: str) -> Path:
+        q = Path(p).expanduser()
+        return q if q.is_absolute() else (base / q).resolve()
+
+    metrics = {
+        "families": tuple(full["metrics"]["families"]),
+        "ri": dict(full["metrics.ri"]),
+        "mari": dict(full["metrics.mari"]),
+        "croma": dict(full["metrics.croma"]),
+    }
+    document = {"schema_version": SCHEMA_VERSION, **full}
+    return Job(
+        path=Path(path).resolve() if path is not None else None,
+        name=jobs["name"],
+        cache=resolve(jobs["cache"]),
+        store=resolve(jobs["store"]),
+        encoders=tuple(jobs["encoders"]),
+        views=tuple(jobs["views"]),
+        design=jobs["design"],
+        demo=dict(full["demo"]),
+        metrics=metrics,
+        neighbors=dict(full["neighbors"]),
+        execution=dict(full["execution"]),
+        document=document,
+    )
+
+
+def load_job(path: str | Path) -> Job:
+    """Read and validate a job file.
+
+    Raises
+    ------
+    FileNotFoundError
+        The file does not exist (the message names it).
+    JobError
+        The file is not valid TOML (line and column from :mod:`tomllib`) or breaks the schema.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"job file not found: {p}")
+    try:
+        doc = tomllib.loads(p.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise JobError(f"{p}: not valid TOML: {exc}") from None
+    return parse_job(doc, path=p)

@@ -1,0 +1,286 @@
+"""Cluster bootstrap utilities on per-unit values (spec/metrics.md §8.2), croma 1.0.1-compatible.
+
+The resampling unit is the cluster (``group_id``), never the single row: clusters are drawn with
+replacement and all of a drawn cluster's rows are pooled. Every routine uses
+``np.random.default_rng(seed)`` and draws, replicate after replicate, ``integers(0, K, K)``; all
+draws are taken at once as one ``(n_boot, K)`` call, which yields the same stream.
+
+Replicates are evaluated without a Python loop per replicate: a pooled median only depends on how
+many times each cluster was drawn, so the values are sorted once and every replicate's median is
+read off the cumulative cluster multiplicities (an exact order statistic, so bit-identical to
+``np.median`` of the concatenated rows).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy.stats import rankdata, spearmanr
+
+from ..types import BootstrapCI, RankStability
+
+__all__ = [
+    "percentile_ci",
+    "bootstrap_pooled_median",
+    "paired_cluster_bootstrap_delta",
+    "paired_rank_stability",
+    "bootstrap_spearman",
+]
+
+#: Upper bound on replicate × value entries held at once by the vectorised medians.
+_CHUNK_ENTRIES = 1 << 22
+
+
+def percentile_ci(boot, point: float, level: float, n_boot: int) -> BootstrapCI:
+    """Percentile interval of the finite replicate values (linear interpolation).
+
+    No finite replicate → ``BootstrapCI(point, nan, nan, level, 0)``; otherwise ``n_boot`` echoes the
+    requested replicate count, not the finite count.
+    """
+    boot = np.asarray(boot, dtype=float)
+    finite = boot[np.isfinite(boot)]
+    if finite.size == 0:
+        return BootstrapCI(point, float("nan"), float("nan"), level, 0)
+    q_lo = (1.0 - level) / 2.0 * 100.0
+    return BootstrapCI(
+        point=float(point),
+        lo=float(np.percentile(finite, q_lo, method="linear")),
+        hi=float(np.percentile(finite, 100.0 - q_lo, method="linear")),
+        level=float(level),
+        n_boot=int(n_boot),
+    )
+
+
+def _cluster_index(cluster_ids: np.ndarray) -> tuple[np.ndarray, int]:
+    """Cluster number of every row (clusters = distinct IDs in stable-sorted order), and K."""
+    ids = np.asarray(cluster_ids)
+    if ids.shape[0] == 0:
+        return np.zeros(0, dtype=np.int64), 0
+    order = np.argsort(ids, kind="stable")
+    sorted_ids = ids[order]
+    new = np.concatenate([[False], sorted_ids[1:] != sorted_ids[:-1]])
+    member = np.empty(ids.shape[0], dtype=np.int64)
+    member[order] = np.cumsum(new)
+    return member, int(member.max()) + 1
+
+
+def _draw(rng: np.random.Generator, n_boot: int, k: int) -> np.ndarray:
+    """``(n_boot, k)`` picks, identical to ``n_boot`` successive ``rng.integers(0, k, k)`` calls."""
+    return rng.integers(0, k, (int(n_boot), k))
+
+
+def _multiplicities(picks: np.ndarray, k: int) -> np.ndarray:
+    """``counts[b, c]`` = how many times cluster ``c`` was drawn in replicate ``b``."""
+    b = picks.shape[0]
+    flat = (picks + (np.arange(b, dtype=np.int64) * k)[:, None]).ravel()
+    return np.bincount(flat, minlength=b * k).reshape(b, k)
+
+
+def _weighted_medians(values: np.ndarray, member: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Median of the multiset {value_j repeated counts[b, member_j] times} for every replicate b.
+
+    ``values`` (V,) finite, ``member`` (V,) cluster numbers, ``counts`` (B, K). NaN where the
+    multiset is empty. Equal to ``np.median`` of the concatenated rows, bit for bit.
+    """
+    n_rep = counts.shape[0]
+    out = np.full(n_rep, np.nan)
+    if values.size == 0 or n_rep == 0:
+        return out
+    order = np.argsort(values, kind="stable")
+    v, mem = values[order], member[order]
+    step = max(1, _CHUNK_ENTRIES // v.size)
+    for s in range(0, n_rep, step):
+        cum = np.cumsum(counts[s : s + step][:, mem], axis=1)
+        total = cum[:, -1]
+        lo = (total - 1) // 2
+        hi = total // 2
+        i_lo = np.minimum((cum <= lo[:, None]).sum(axis=1), v.size - 1)
+        i_hi = np.minimum((cum <= hi[:, None]).sum(axis=1), v.size - 1)
+        med = np.where(i_lo == i_hi, v[i_lo], (v[i_lo] + v[i_hi]) / 2)
+        med[total == 0] = np.nan
+        out[s : s + step] = med
+    return out
+
+
+def _median_of_present(medians: np.ndarray) -> np.ndarray:
+    """Row-wise median of the non-NaN entries of ``medians`` (B, S); NaN for an all-NaN row."""
+    srt = np.sort(medians, axis=1)  # NaN last
+    present = np.isfinite(medians).sum(axis=1)
+    lo = np.maximum((present - 1) // 2, 0)
+    hi = np.maximum(present // 2, 0)
+    a = np.take_along_axis(srt, lo[:, None], axis=1)[:, 0]
+    b = np.take_along_axis(srt, hi[:, None], axis=1)[:, 0]
+    out = np.where(lo == hi, a, (a + b) / 2)
+    out[present == 0] = np.nan
+    return out
+
+
+def bootstrap_pooled_median(values, cluster_ids, *, n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> BootstrapCI:
+    """Cluster-bootstrap CI of the pooled median of the finite ``values`` (shape (n,)).
+
+    ``cluster_ids`` (n,) are the resampling units. Non-finite values are dropped from the point and
+    from each replicate (an empty replicate is NaN and leaves the CI). Raises ``ValueError`` when the
+    lengths differ. No clusters → ``BootstrapCI(point, nan, nan, level, 0)``.
+    """
+    values = np.asarray(values, dtype=float)
+    cluster_ids = np.asarray(cluster_ids)
+    if values.shape[0] != cluster_ids.shape[0]:
+        raise ValueError(
+            f"values and cluster_ids must be the same length (got {values.shape[0]} and {cluster_ids.shape[0]})"
+        )
+    finite = np.isfinite(values)
+    point = float(np.median(values[finite])) if finite.any() else float("nan")
+    member, k = _cluster_index(cluster_ids)
+    if k == 0:
+        return BootstrapCI(point, float("nan"), float("nan"), level, 0)
+    picks = _draw(np.random.default_rng(seed), n_boot, k)
+    boot = _weighted_medians(values[finite], member[finite], _multiplicities(picks, k))
+    return percentile_ci(boot, point, level, int(n_boot))
+
+
+def paired_cluster_bootstrap_delta(
+    canonical,
+    alternative,
+    group_ids,
+    *,
+    subset_ids=None,
+    n_boot: int = 2000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> BootstrapCI:
+    """Shared-group bootstrap of ``balanced_median(alternative) - balanced_median(canonical)``.
+
+    All inputs are aligned 1-D arrays of one length. The balanced median is the plain median, or,
+    with ``subset_ids``, the median over the subsets present of each subset's median (rows of a group
+    drawn twice count twice), mirroring CRoMa's paired value. One group draw per replicate serves
+    both vectors.
+
+    Raises ``ValueError``: inputs not 1-D or of different lengths; ``subset_ids`` not 1-D or of the
+    wrong length; any non-finite value; no group.
+    """
+    canonical = np.asarray(canonical, dtype=float)
+    alternative = np.asarray(alternative, dtype=float)
+    group_ids = np.asarray(group_ids)
+    subsets = None if subset_ids is None else np.asarray(subset_ids)
+    if canonical.ndim != 1 or alternative.ndim != 1 or group_ids.ndim != 1:
+        raise ValueError("canonical, alternative, and group_ids must be one-dimensional")
+    if not (len(canonical) == len(alternative) == len(group_ids)):
+        raise ValueError(
+            "canonical, alternative, and group_ids must be the same length "
+            f"(got {len(canonical)}, {len(alternative)}, {len(group_ids)})"
+        )
+    if subsets is not None and (subsets.ndim != 1 or len(subsets) != len(canonical)):
+        raise ValueError("subset_ids must be one-dimensional and match the value length")
+    if not np.isfinite(canonical).all() or not np.isfinite(alternative).all():
+        raise ValueError("paired CRoMa values must all be finite")
+    member, k = _cluster_index(group_ids)
+    if k == 0:
+        raise ValueError("paired bootstrap requires at least one independence group")
+
+    picks = _draw(np.random.default_rng(seed), n_boot, k)
+    counts = np.vstack([np.ones((1, k), dtype=np.int64), _multiplicities(picks, k)])  # row 0: point
+
+    def balanced(values: np.ndarray) -> np.ndarray:
+        if subsets is None:
+            return _weighted_medians(values, member, counts)
+        per_subset = [
+            _weighted_medians(values[sel], member[sel], counts)
+            for sel in (subsets == s for s in np.unique(subsets))
+        ]
+        return _median_of_present(np.stack(per_subset, axis=1))
+
+    delta = balanced(alternative) - balanced(canonical)
+    return percentile_ci(delta[1:], float(delta[0]), level, int(n_boot))
+
+
+def paired_rank_stability(model_values: dict, cluster_ids, *, n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> RankStability:
+    """Ranking stability of models by pooled median under one shared cluster draw per replicate.
+
+    ``model_values`` maps model name → per-row values (all of length n, aligned to
+    ``cluster_ids``). Rank 1 is the highest pooled median; replicate ranks treat NaN as ``-inf`` and
+    keep dict order among ties. ``pairwise_win[(a, b)]`` is the fraction of replicates where both
+    medians are finite and ``a``'s is strictly greater.
+
+    Raises ``ValueError`` for an empty dict or mismatched lengths.
+    """
+    models = list(model_values)
+    if not models:
+        raise ValueError("model_values must be non-empty")
+    arrays = {name: np.asarray(v, dtype=float) for name, v in model_values.items()}
+    n_rows = len(arrays[models[0]])
+    for name, a in arrays.items():
+        if a.shape[0] != n_rows:
+            raise ValueError(f"model '{name}' has {a.shape[0]} values but the first model has {n_rows}")
+    cluster_ids = np.asarray(cluster_ids)
+    if cluster_ids.shape[0] != n_rows:
+        raise ValueError(f"cluster_ids has {cluster_ids.shape[0]} entries but the models have {n_rows} values")
+
+    member, k = _cluster_index(cluster_ids)
+    point_value = {
+        name: (float(np.median(a[np.isfinite(a)])) if np.isfinite(a).any() else float("nan"))
+        for name, a in arrays.items()
+    }
+    ranked = sorted(models, key=lambda name: point_value[name], reverse=True)
+    point_rank = {name: i + 1 for i, name in enumerate(ranked)}
+
+    picks = _draw(np.random.default_rng(seed), n_boot, k)
+    counts = _multiplicities(picks, k) if k else np.zeros((int(n_boot), 0), dtype=np.int64)
+    meds = np.stack(
+        [_weighted_medians(arrays[name][np.isfinite(arrays[name])], member[np.isfinite(arrays[name])], counts) for name in models],
+        axis=1,
+    )  # (n_boot, M)
+    finite = np.isfinite(meds)
+    key = np.where(finite, meds, -np.inf)
+    order = np.argsort(-key, axis=1, kind="stable")  # descending, ties in dict order
+    ranks = np.empty_like(order)
+    np.put_along_axis(ranks, order, np.arange(1, len(models) + 1)[None, :], axis=1)
+    beats = finite[:, :, None] & finite[:, None, :] & (meds[:, :, None] > meds[:, None, :])
+    win = beats.sum(axis=0) / float(n_boot)
+
+    q_lo = (1.0 - level) / 2.0 * 100.0
+    q_hi = 100.0 - q_lo
+    return RankStability(
+        models=models,
+        point_value=point_value,
+        point_rank=point_rank,
+        mean_rank={name: float(ranks[:, j].mean()) for j, name in enumerate(models)},
+        rank_lo={name: int(np.percentile(ranks[:, j], q_lo)) for j, name in enumerate(models)},
+        rank_hi={name: int(np.percentile(ranks[:, j], q_hi)) for j, name in enumerate(models)},
+        value_ci={name: percentile_ci(meds[:, j], point_value[name], level, int(n_boot)) for j, name in enumerate(models)},
+        pairwise_win={
+            (a, b): float(win[i, j]) for i, a in enumerate(models) for j, b in enumerate(models) if a != b
+        },
+        n_boot=int(n_boot),
+    )
+
+
+def bootstrap_spearman(x, y, *, n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> BootstrapCI:
+    """Spearman correlation of paired points with a bootstrap CI over the points.
+
+    Pairs with a non-finite side are dropped; fewer than 3 left → all-NaN with ``n_boot = 0``. A
+    replicate in which either side has fewer than 2 distinct values is NaN (dropped from the CI).
+    Raises ``ValueError`` when the shapes differ.
+    """
+    x = np.asarray(x, dtype=float)
+    y = np.asarray(y, dtype=float)
+    if x.shape != y.shape:
+        raise ValueError(f"x and y must be the same shape (got {x.shape} and {y.shape})")
+    keep = np.isfinite(x) & np.isfinite(y)
+    x, y = x[keep], y[keep]
+    n = x.shape[0]
+    if n < 3:
+        return BootstrapCI(float("nan"), float("nan"), float("nan"), level, 0)
+    point = float(spearmanr(x, y).statistic)
+    idx = _draw(np.random.default_rng(seed), n_boot, n)
+    xb, yb = x[idx], y[idx]
+    degenerate = (xb.min(axis=1) == xb.max(axis=1)) | (yb.min(axis=1) == yb.max(axis=1))
+    boot = np.full(idx.shape[0], np.nan)
+    ok = ~degenerate
+    if ok.any():
+        rx = rankdata(xb[ok], axis=1)
+        ry = rankdata(yb[ok], axis=1)
+        rx -= rx.mean(axis=1, keepdims=True)
+        ry -= ry.mean(axis=1, keepdims=True)
+        cov = np.einsum("ij,ij->i", rx, ry)
+        r = cov / np.sqrt(np.einsum("ij,ij->i", rx, rx)) / np.sqrt(np.einsum("ij,ij->i", ry, ry))
+        boot[ok] = np.clip(r, -1.0, 1.0)
+    return percentile_ci(boot, point, level, int(n_boot))

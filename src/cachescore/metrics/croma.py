@@ -1,0 +1,300 @@
+"""CRoMa, the cross-confounder robustness margin, with croma 1.0.1's contract (spec/metrics.md §7).
+
+Per unit ``i`` of a scope, with ``dSO``/``dOS`` the means of the ``m`` smallest SO/OS distances to
+rows of other groups::
+
+    CRoMa_i = (dOS - dSO) / (dOS + dSO)
+
+The reference finds the typed neighbours by growing a kNN window (start ``start_k``, factor
+``k_growth_factor``). That schedule never changes a margin (§7.4), so the margins here come from an
+exact per-cell typed search (:func:`cachescore.neighbors.typed.typed_knn`, or any callable with its
+contract passed to :meth:`CrossConfounderRobustnessMargin.compute_with`). Only the diagnostics
+``k_start``/``k_final``/``retries`` depend on the schedule; they are reproduced arithmetically
+from one counting pass (§7.10) instead of by growing a window.
+
+Total support is a contract: any unit without ``m`` SO and ``m`` OS neighbours, or with a zero
+denominator, raises ``RuntimeError`` and no result is returned (§7.5).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+from ..neighbors.normalize import normalize_rows
+from ..neighbors.typed import count_within, typed_knn
+from ..types import CRoMaResult
+from ._manifest import Scope, check_features, check_finite_rows, coerce_manifest, normalize_design, prepare
+from .tail import compute_tail_metrics, confounder_dominant_fraction
+
+__all__ = ["CROMA_HEADLINE_M", "CrossConfounderRobustnessMargin", "CRoMa", "croma_schedule", "TypedSearch"]
+
+#: Default (headline) number of typed neighbours averaged per type.
+CROMA_HEADLINE_M = 5
+
+#: ``typed_search(u, labels, confounders, groups, m) -> (so_dist, os_dist)``, each (n, m) float64
+#: ascending and ``+inf`` padded; see :func:`cachescore.neighbors.typed.typed_knn`.
+TypedSearch = Callable[..., tuple[np.ndarray, np.ndarray]]
+
+#: Slack, in units of the compute dtype's machine epsilon, added to each unit's typed radius in the
+#: counting pass. Distances of one pair computed by two GEMMs of different shapes may differ in the
+#: last few bits; without the slack the unit's own m-th typed neighbour could drop out of its count.
+_COUNT_SLACK_EPS = 4.0
+
+
+def croma_schedule(n: int, start_k: int, k_growth_factor: float, max_need: float) -> tuple[int, int, int]:
+    """``(k_start, k_final, retries)`` of croma's window schedule for one scope (spec §7.2).
+
+    ``max_need`` is the largest window any unit needs to see its ``m_max``-th SO and OS neighbour
+    (``inf`` when some unit can never be resolved). The windows are ``k_0 = max(1, min(start_k,
+    n-1))`` and ``k_{r+1} = min(n-1, max(k_r + 1, ceil(k_r * factor)))``. After each round the
+    reference stops if the window is at the cap ``n-1``; otherwise it grows the window (one retry)
+    and only then notices that no unit is left unresolved. So when every unit resolves in round
+    ``r`` below the cap, the reported ``k_final`` is ``k_{r+1}`` and ``retries`` is ``r + 1``
+    (e.g. the isotropic 1000-row fixture resolves at 200 and reports ``200 -> 400``, 1 retry).
+    ``n <= 1`` gives ``(0, 0, 0)``.
+    """
+    n = int(n)
+    if n <= 1:
+        return 0, 0, 0
+    k = int(max(1, min(int(start_k), n - 1)))
+    k_start, retries = k, 0
+    while True:
+        resolved = k >= max_need
+        if k >= n - 1:
+            break
+        k = int(min(n - 1, max(k + 1, math.ceil(float(k) * float(k_growth_factor)))))
+        retries += 1
+        if resolved:
+            break
+    return k_start, k, retries
+
+
+def _scope_schedule(u, scope: Scope, so: np.ndarray, os_: np.ndarray, *, start_k, k_growth_factor) -> tuple[int, int, int]:
+    n = scope.n
+    if n <= 1:
+        return 0, 0, 0
+    if int(max(1, min(int(start_k), n - 1))) >= n - 1:
+        return croma_schedule(n, start_k, k_growth_factor, 0)  # one round, at the cap: no counting
+    radius = np.maximum(so[:, -1], os_[:, -1])
+    if not np.isfinite(radius).all():
+        return croma_schedule(n, start_k, k_growth_factor, math.inf)
+    slack = _COUNT_SLACK_EPS * float(np.finfo(u.dtype).eps)
+    need = count_within(u, scope.groups, radius + slack)
+    return croma_schedule(n, start_k, k_growth_factor, int(need.max()))
+
+
+def _margins(so: np.ndarray, os_: np.ndarray):
+    """Per-unit margins for one m, plus the disjoint unresolved / zero-denominator masks."""
+    unresolved = np.isinf(so).any(axis=1) | np.isinf(os_).any(axis=1)
+    mean_so = np.mean(so, axis=1)
+    mean_os = np.mean(os_, axis=1)
+    denom = mean_os + mean_so
+    with np.errstate(divide="ignore", invalid="ignore"):
+        values = (mean_os - mean_so) / denom
+    zero = ~unresolved & (denom == 0.0)
+    values[unresolved | zero] = np.nan
+    return values, unresolved, zero
+
+
+def _require_support(unresolved, zero, *, dataset, design, subset, unit, m, n, k_final) -> None:
+    causes = []
+    n_unresolved = int(unresolved.sum())
+    if n_unresolved:
+        causes.append(
+            f"{n_unresolved}/{n} {unit}(s) could not find {m} SO and {m} OS neighbour(s) after adaptive "
+            f"neighbour search reached k={k_final}"
+        )
+    n_zero = int(zero.sum())
+    if n_zero:
+        causes.append(
+            f"{n_zero}/{n} {unit}(s) have a zero margin denominator (d_OS + d_SO = 0) despite complete "
+            "typed-neighbour support, as produced by a collapsed embedding or duplicated rows"
+        )
+    if causes:
+        raise RuntimeError(
+            f"[CRoMa] dataset '{dataset}' ({design}), subset '{subset}', m={m}: {'; '.join(causes)}; "
+            f"CRoMa requires every requested {unit} to be scoreable, so no pooled or tail statistics "
+            "were computed"
+        )
+
+
+def _parse_m(m) -> tuple[list[int], bool]:
+    if isinstance(m, (list, tuple)):
+        if len(m) == 0:
+            raise ValueError("m must include at least one integer")
+        ordered = [int(v) for v in m]
+        single = False
+    else:
+        ordered = [int(m)]
+        single = True
+    if min(ordered) < 1:
+        raise ValueError("m must be >= 1")
+    return ordered, single
+
+
+class CrossConfounderRobustnessMargin:
+    """Namespace of classmethods; never instantiated (croma-compatible)."""
+
+    @classmethod
+    def compute(
+        cls,
+        features,
+        manifest,
+        *,
+        confounder_column,
+        evaluation_design="all",
+        m=CROMA_HEADLINE_M,
+        alpha=0.10,
+        start_k=200,
+        k_growth_factor=2.0,
+    ):
+        """CRoMa of ``features`` (N, D) (numpy or row-chunked dask) over ``manifest`` (N rows).
+
+        Returns a :class:`~cachescore.types.CRoMaResult`, or ``dict[int, CRoMaResult]`` keyed by the
+        distinct ``int(m)`` in first-appearance order when ``m`` is a list or tuple.
+
+        Raises, in this order (spec §1.8): ``ValueError`` for a bad ``evaluation_design``, ``m``
+        (empty, or any value < 1), ``start_k < 1`` or ``k_growth_factor <= 1``; ``TypeError`` /
+        ``ValueError`` for manifest/features type, ndim or row count; ``ValueError`` for manifest
+        normalisation and paired-subset errors; per scope (subsets in sorted order) ``ValueError``
+        for NaN/inf features, then ``RuntimeError`` when total support fails for some m (ascending);
+        finally numpy's ``ValueError`` for ``alpha`` outside [0, 1].
+
+        An empty manifest under ``all`` returns a NaN result (numpy warns about the empty median).
+        """
+        return cls.compute_with(
+            typed_knn,
+            features,
+            manifest,
+            confounder_column=confounder_column,
+            evaluation_design=evaluation_design,
+            m=m,
+            alpha=alpha,
+            start_k=start_k,
+            k_growth_factor=k_growth_factor,
+        )
+
+    @classmethod
+    def compute_with(
+        cls,
+        typed_search: TypedSearch,
+        features,
+        manifest,
+        *,
+        confounder_column,
+        evaluation_design="all",
+        m=CROMA_HEADLINE_M,
+        alpha=0.10,
+        start_k=200,
+        k_growth_factor=2.0,
+    ):
+        """:meth:`compute` with an injected typed-neighbour backend.
+
+        ``typed_search(u, labels, confounders, groups, m)`` must honour the contract of
+        :func:`cachescore.neighbors.typed.typed_knn`: ``u`` (n, d) normalised rows, int codes of
+        shape (n,), returns ``(so_dist, os_dist)`` float64 (n, m) ascending, ``+inf`` padded. It is
+        called once per scope with ``n >= 2``, with ``m = max(m)``. The schedule diagnostics are
+        always computed exactly (one blocked counting pass when ``start_k < n-1``).
+        """
+        design = normalize_design(evaluation_design)
+        ordered_m, single = _parse_m(m)
+        if int(start_k) < 1:
+            raise ValueError("start_k must be >= 1")
+        if float(k_growth_factor) <= 1.0:
+            raise ValueError("k_growth_factor must be > 1")
+        frame = coerce_manifest(manifest)
+        features = check_features(features, len(frame), require_units=False)
+        prepared = prepare(frame, confounder_column=confounder_column, evaluation_design=design)
+        if design == "paired_2x2" and not prepared.scopes:
+            raise ValueError(f"manifest for dataset '{prepared.dataset}' does not define any subsets")
+
+        unique_m = sorted(set(ordered_m))
+        m_max = unique_m[-1]
+        unit = prepared.unit
+        values_by_m: dict[int, list[np.ndarray]] = {mm: [] for mm in unique_m}
+        medians_by_m: dict[int, list[float]] = {mm: [] for mm in unique_m}
+        diagnostics = []
+        for scope in prepared.scopes:
+            n = scope.n
+            if n >= 2:
+                check_finite_rows(features, scope.rows)
+                u = normalize_rows(features[scope.rows])
+                so, os_ = typed_search(u, scope.labels, scope.confounders, scope.groups, m_max)
+                so = np.ascontiguousarray(so, dtype=np.float64)
+                os_ = np.ascontiguousarray(os_, dtype=np.float64)
+                if so.shape != (n, m_max) or os_.shape != (n, m_max):
+                    raise ValueError(
+                        f"typed_search returned shapes {so.shape} and {os_.shape}; expected ({n}, {m_max}) each"
+                    )
+                diag = _scope_schedule(u, scope, so, os_, start_k=start_k, k_growth_factor=k_growth_factor)
+            else:
+                so = np.full((n, m_max), np.inf)
+                os_ = np.full((n, m_max), np.inf)
+                diag = (0, 0, 0)
+            diagnostics.append(diag)
+            for mm in unique_m:
+                values, unresolved, zero = _margins(so[:, :mm], os_[:, :mm])
+                _require_support(
+                    unresolved,
+                    zero,
+                    dataset=prepared.dataset,
+                    design=design,
+                    subset=scope.subset,
+                    unit=unit,
+                    m=mm,
+                    n=n,
+                    k_final=diag[1],
+                )
+                values_by_m[mm].append(values)
+                medians_by_m[mm].append(float(np.median(values)))
+
+        k_start = min((d[0] for d in diagnostics), default=0)
+        k_final = max((d[1] for d in diagnostics), default=0)
+        retries = max((d[2] for d in diagnostics), default=0)
+        if prepared.scopes:
+            subsets = np.concatenate([np.full(s.n, s.subset, dtype=object) for s in prepared.scopes]).astype(str)
+        else:
+            subsets = np.empty(0, dtype=str)
+        sources = prepared.source_indices.astype(int)
+
+        results: dict[int, CRoMaResult] = {}
+        for mm in unique_m:
+            pair_values = np.asarray(medians_by_m[mm], dtype=float)
+            finite = pair_values[np.isfinite(pair_values)]
+            value = float(np.median(finite)) if finite.size else float("nan")
+            std = float(finite.std(ddof=0)) if finite.size > 1 else 0.0
+            unit_values = (
+                np.concatenate(values_by_m[mm]).astype(float) if values_by_m[mm] else np.empty(0, dtype=float)
+            )
+            tail = compute_tail_metrics(unit_values, alpha=alpha)
+            results[mm] = CRoMaResult(
+                prepared.dataset,
+                mm,
+                value,
+                std,
+                len(pair_values),
+                pair_values,
+                unit_values,
+                unit_values,
+                evaluation_design=design,
+                evaluation_unit=unit,
+                occurrence_subsets=subsets,
+                occurrence_source_indices=sources,
+                k_start=int(k_start),
+                k_final=int(k_final),
+                retries=int(retries),
+                alpha=tail.alpha,
+                q_alpha=tail.q_alpha,
+                ltm_alpha=tail.ltm_alpha,
+                f0=confounder_dominant_fraction(unit_values),
+            )
+        if single:
+            return results[ordered_m[0]]
+        return {mm: results[mm] for mm in ordered_m}
+
+
+#: Public alias (croma-compatible).
+CRoMa = CrossConfounderRobustnessMargin

@@ -1,0 +1,309 @@
+"""Neighbour windows, the reference's fetch cap, effective k and per-unit evidence (spec §3, §5, §6).
+
+One neighbour table per scope serves every step of a metric call (scoring, k-selection, tau, the
+tau scale check). Each step has its own ``kmax`` (spec §3.5), and the reference's window for that
+step differs from a prefix of the exact cross-group list only under the *cap*:
+
+* uncapped (``kmax + max(64, G) < n - 1``): the window is the first ``kmax`` rows of ``X_i``;
+* capped: the reference fetches ``n - 1`` rows counting ``i`` itself, so the single farthest row
+  ``f_i`` of the whole scope is invisible. Since ``f_i``, when it is cross-group, is the *last*
+  entry of ``i``'s sorted cross-group list, the window is still a prefix, only one entry shorter
+  when it would reach that last entry (``kmax >= |X_i|``).
+
+So a step's window is fully described by ``valid_i`` = the number of usable prefix entries::
+
+    valid_i = min(kmax, |X_i| - [capped and f_i in X_i])
+
+and ``eff_k_i = min(k, valid_i)`` for a window size ``k <= kmax`` (spec §3.6). The farthest-row
+flag is only needed for rows with ``|X_i| <= kmax`` of a capped step, and is computed for those
+rows only (one extra pass over the scope; capped scopes are small by definition).
+
+Per-unit quantities are row-parallel (spec §12.2) and are computed in row blocks from the
+``(n, W)`` table with cumulative sums over the type matrix; nothing here loops over units.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..neighbors.exact import farthest_rows
+from ._manifest import Scope
+
+__all__ = [
+    "MIN_NEIGHBOR_BUFFER",
+    "TINY",
+    "ScopeTable",
+    "is_capped",
+    "build_table",
+    "valid_counts",
+    "type_matrix",
+    "ScopeScores",
+    "score_scope",
+    "typed_distances",
+    "ratio_from_log",
+]
+
+#: The reference's minimum fetch buffer beyond ``kmax`` (``B = max(64, G)``).
+MIN_NEIGHBOR_BUFFER = 64
+#: Smallest normal float64; below it MaRI switches from linear to log-space ratios (spec §6.1).
+TINY = float(np.finfo(np.float64).tiny)
+#: Rows per block for per-unit computations.
+_ROW_BLOCK = 65536
+
+# Neighbour type codes in the type matrix.
+SO, OS, SS, OO, PAD = 0, 1, 2, 3, -1
+
+
+def is_capped(kmax: int, n: int, max_group_size: int) -> bool:
+    """True when the reference's fetch for ``kmax`` hits ``n - 1`` (spec §3.2)."""
+    return int(kmax) + max(MIN_NEIGHBOR_BUFFER, int(max_group_size)) >= int(n) - 1
+
+
+@dataclass
+class ScopeTable:
+    """The exact cross-group neighbour table of one scope, plus what the cap rule needs.
+
+    ``idx``/``dist``: (n, W) from the search backend, ``(distance, index)`` order, padded with
+    -1/+inf. ``cross_count[i] = |X_i|`` (rows outside ``i``'s group). ``u`` is kept so the
+    farthest-row flags can be computed on demand for capped steps.
+    """
+
+    scope: Scope
+    u: np.ndarray
+    idx: np.ndarray
+    dist: np.ndarray
+    cross_count: np.ndarray
+    _far_cross: np.ndarray | None = field(default=None, repr=False)
+    _far_known: np.ndarray | None = field(default=None, repr=False)
+
+    @property
+    def n(self) -> int:
+        return self.scope.n
+
+    @property
+    def width(self) -> int:
+        return int(self.idx.shape[1])
+
+    def far_is_cross(self, rows: np.ndarray) -> np.ndarray:
+        """Whether the farthest scope row from each of ``rows`` lies outside its group."""
+        n = self.n
+        if self._far_cross is None:
+            self._far_cross = np.zeros(n, dtype=bool)
+            self._far_known = np.zeros(n, dtype=bool)
+        todo = rows[~self._far_known[rows]]
+        if todo.size:
+            far = farthest_rows(self.u, todo)
+            g = self.scope.groups
+            self._far_cross[todo] = g[far] != g[todo]
+            self._far_known[todo] = True
+        return self._far_cross[rows]
+
+
+def build_table(search, u: np.ndarray, scope: Scope, kmax: int) -> ScopeTable:
+    """Search ``scope`` once at window ``min(kmax, n - 1)`` with the backend ``search``.
+
+    ``search`` has the contract of :func:`cachescore.neighbors.exact.cross_group_knn`.
+    Raises ``RuntimeError`` for a scope of fewer than 2 rows (spec §3.1).
+    """
+    n = scope.n
+    if n <= 1:
+        raise RuntimeError(
+            f"scope '{scope.subset}' has {n} row(s): need at least two samples to compute neighbours"
+        )
+    width = max(1, min(int(kmax), n - 1))
+    idx, dist = search(u, scope.groups, width)
+    idx = np.asarray(idx, dtype=np.int64)
+    dist = np.asarray(dist, dtype=np.float64)
+    if idx.shape != (n, width) or dist.shape != (n, width):
+        raise ValueError(
+            f"neighbour backend returned shapes {idx.shape}/{dist.shape}, expected ({n}, {width})"
+        )
+    sizes = np.bincount(scope.groups)
+    cross = n - sizes[scope.groups]
+    return ScopeTable(scope=scope, u=u, idx=idx, dist=dist, cross_count=cross.astype(np.int64))
+
+
+def valid_counts(table: ScopeTable, kmax: int) -> np.ndarray:
+    """``valid_i`` for a step fetching at ``kmax`` (spec §3.2, §3.5), int64 of shape (n,)."""
+    kmax = int(kmax)
+    n = table.n
+    found = np.count_nonzero(table.idx >= 0, axis=1)
+    valid = np.minimum(np.minimum(found, table.cross_count), kmax)
+    if is_capped(kmax, n, table.scope.max_group_size):
+        reach = np.flatnonzero(table.cross_count <= kmax)
+        if reach.size:
+            drop = table.far_is_cross(reach)
+            rows = reach[drop]
+            valid[rows] = np.minimum(valid[rows], table.cross_count[rows] - 1)
+    return valid.astype(np.int64)
+
+
+def type_matrix(labels: np.ndarray, confounders: np.ndarray, idx: np.ndarray, valid: np.ndarray, queries: np.ndarray) -> np.ndarray:
+    """(rows, W) int8 neighbour types (SO=0, OS=1, SS=2, OO=3, -1 outside the window).
+
+    ``idx`` are the table rows of the scope rows ``queries``; slots at positions ``>= valid`` are -1.
+    """
+    safe = np.where(idx >= 0, idx, 0)
+    same_l = labels[safe] == labels[queries][:, None]
+    same_c = confounders[safe] == confounders[queries][:, None]
+    types = np.where(same_l, np.where(same_c, SS, SO), np.where(same_c, OS, OO)).astype(np.int8)
+    types[~(np.arange(idx.shape[1])[None, :] < valid[:, None])] = PAD
+    return types
+
+
+def ratio_from_log(log_so, log_os) -> np.ndarray:
+    """``exp(L_SO - logaddexp(L_SO, L_OS))`` in extended precision; 0.5 where not finite."""
+    log_so = np.asarray(log_so, dtype=np.longdouble)
+    log_os = np.asarray(log_os, dtype=np.longdouble)
+    denom = np.logaddexp(log_so, log_os)
+    ok = np.isfinite(denom)
+    out = np.full(denom.shape, 0.5, dtype=np.float64)
+    out[ok] = np.exp(log_so[ok] - denom[ok]).astype(np.float64)
+    return out
+
+
+@dataclass
+class ScopeScores:
+    """Per-unit results of one scope for one window size ``k`` (spec §5.1–5.3, §6.1–6.2).
+
+    ``values``: per-unit RI/MaRI (NaN if undefined); ``defined``; ``types`` (0 defined, 1 SS-,
+    2 OO-dominated, 3 mixed/no neighbour); ``so``/``os``: per-unit evidence (counts as float for
+    RI, weight sums for MaRI); ``pooled``: the scope's pooled value; ``log_so``/``log_os``: the
+    scope's log-evidence totals (longdouble), computed only when a log path needs them.
+    """
+
+    k: int
+    values: np.ndarray
+    defined: np.ndarray
+    types: np.ndarray
+    so: np.ndarray
+    os: np.ndarray
+    pooled: float
+    log_so: object = None
+    log_os: object = None
+
+
+def _gather(cum: np.ndarray, eff: np.ndarray, zero):
+    """cum[i, eff_i - 1], or ``zero`` where eff_i == 0."""
+    col = np.maximum(eff - 1, 0)
+    out = cum[np.arange(cum.shape[0]), col]
+    return np.where(eff > 0, out, zero)
+
+
+def _log_cumulative(dist: np.ndarray, types: np.ndarray, tau: float, which: int) -> np.ndarray:
+    """Running ``logaddexp`` of ``-d/tau`` over the slots of type ``which`` (longdouble)."""
+    logw = -np.asarray(dist, dtype=np.longdouble) / np.longdouble(tau)
+    logw = np.where(types == which, logw, np.longdouble(-np.inf))
+    return np.logaddexp.accumulate(logw, axis=1)
+
+
+def score_scope(table: ScopeTable, valid: np.ndarray, ks: list[int], tau: float | None = None) -> dict[int, ScopeScores]:
+    """Per-unit RI (``tau is None``) or MaRI (``tau > 0``) of one scope for every ``k`` in ``ks``.
+
+    ``valid`` is the scoring step's ``valid_i`` (:func:`valid_counts` at ``max(ks)``).
+    Evidence is accumulated left to right in ascending distance (a running sum per row), and
+    pooled with numpy's pairwise sum over units in unit order, as the reference does.
+    """
+    scope = table.scope
+    n = scope.n
+    nk = len(ks)
+    kv = np.asarray(ks, dtype=np.int64)
+    so = np.zeros((n, nk))
+    os_ = np.zeros((n, nk))
+    n_typed = np.zeros((n, nk), dtype=np.int64)
+    n_ss = np.zeros((n, nk), dtype=np.int64)
+    n_oo = np.zeros((n, nk), dtype=np.int64)
+    eff_all = np.minimum(valid[:, None], kv[None, :])
+    for r0 in range(0, n, _ROW_BLOCK):
+        r1 = min(n, r0 + _ROW_BLOCK)
+        types = type_matrix(scope.labels, scope.confounders, table.idx[r0:r1], valid[r0:r1], np.arange(r0, r1))
+        eff = eff_all[r0:r1]
+        if tau is None:
+            w_so = np.cumsum(types == SO, axis=1, dtype=np.int64)
+            w_os = np.cumsum(types == OS, axis=1, dtype=np.int64)
+        else:
+            with np.errstate(over="ignore", under="ignore"):
+                weights = np.exp(-table.dist[r0:r1] / float(tau))
+            w_so = np.cumsum(np.where(types == SO, weights, 0.0), axis=1)
+            w_os = np.cumsum(np.where(types == OS, weights, 0.0), axis=1)
+        c_ss = np.cumsum(types == SS, axis=1, dtype=np.int64)
+        c_oo = np.cumsum(types == OO, axis=1, dtype=np.int64)
+        c_typed = np.cumsum((types == SO) | (types == OS), axis=1, dtype=np.int64)
+        for j in range(nk):
+            e = eff[:, j]
+            so[r0:r1, j] = _gather(w_so, e, 0)
+            os_[r0:r1, j] = _gather(w_os, e, 0)
+            n_typed[r0:r1, j] = _gather(c_typed, e, 0)
+            n_ss[r0:r1, j] = _gather(c_ss, e, 0)
+            n_oo[r0:r1, j] = _gather(c_oo, e, 0)
+
+    out: dict[int, ScopeScores] = {}
+    for j, k in enumerate(ks):
+        defined = n_typed[:, j] > 0
+        s, o = so[:, j].copy(), os_[:, j].copy()
+        denom = s + o
+        values = np.full(n, np.nan)
+        linear = defined & (denom >= TINY)
+        values[linear] = s[linear] / denom[linear]
+        need_log = defined & ~linear
+        log_rows = None
+        if tau is not None and need_log.any():
+            log_rows = _unit_log_evidence(table, valid, k, tau, np.flatnonzero(need_log))
+            values[need_log] = ratio_from_log(*log_rows)
+        types_out = np.zeros(n, dtype=np.int64)
+        undef = ~defined
+        has = eff_all[:, j] > 0
+        ss_c, oo_c = n_ss[:, j], n_oo[:, j]
+        cause = np.where(ss_c > oo_c, 1, np.where(oo_c > ss_c, 2, 3))
+        types_out[undef & has] = cause[undef & has]
+        types_out[undef & ~has] = 3
+        scores = ScopeScores(k=int(k), values=values, defined=defined, types=types_out, so=s, os=o, pooled=0.5)
+        if defined.any():
+            total_so = float(s.sum())
+            total_os = float(o.sum())
+            if total_so + total_os >= TINY:
+                scores.pooled = total_so / (total_so + total_os)
+            else:
+                scores.log_so, scores.log_os = scope_log_totals(table, valid, k, tau)
+                scores.pooled = float(ratio_from_log(scores.log_so, scores.log_os))
+        out[int(k)] = scores
+    return out
+
+
+def _unit_log_evidence(table: ScopeTable, valid: np.ndarray, k: int, tau: float | None, rows: np.ndarray):
+    """Per-unit ``(L_SO, L_OS)`` at window ``k`` for ``rows`` (longdouble)."""
+    scope = table.scope
+    types = type_matrix(scope.labels, scope.confounders, table.idx[rows], valid[rows], rows)
+    eff = np.minimum(valid[rows], int(k))
+    dist = table.dist[rows]
+    if tau is None:
+        dist = np.zeros_like(dist)
+        tau = 1.0
+    cum_so = _log_cumulative(dist, types, tau, SO)
+    cum_os = _log_cumulative(dist, types, tau, OS)
+    ninf = np.longdouble(-np.inf)
+    return _gather(cum_so, eff, ninf), _gather(cum_os, eff, ninf)
+
+
+def scope_log_totals(table: ScopeTable, valid: np.ndarray, k: int, tau: float | None):
+    """The scope's log-evidence totals at ``k``: ``logaddexp.reduce`` of per-unit ``L`` in unit order."""
+    rows = np.arange(table.n)
+    l_so, l_os = _unit_log_evidence(table, valid, k, tau, rows)
+    return np.logaddexp.reduce(l_so), np.logaddexp.reduce(l_os)
+
+
+def typed_distances(table: ScopeTable, valid: np.ndarray, k: int) -> np.ndarray:
+    """Distances of the SO/OS slots inside each unit's window at ``k``, row-major (spec §6.3)."""
+    k = int(k)
+    scope = table.scope
+    eff = np.minimum(valid, k)
+    parts = []
+    for r0 in range(0, scope.n, _ROW_BLOCK):
+        r1 = min(scope.n, r0 + _ROW_BLOCK)
+        w = min(k, table.width)
+        types = type_matrix(scope.labels, scope.confounders, table.idx[r0:r1, :w], eff[r0:r1], np.arange(r0, r1))
+        typed = (types == SO) | (types == OS)
+        parts.append(table.dist[r0:r1, :w][typed])
+    return np.concatenate(parts) if parts else np.empty(0)

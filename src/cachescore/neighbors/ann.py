@@ -1,0 +1,701 @@
+"""Approximate neighbour search with exact refinement and a measured recall (spec/metrics.md §12.4).
+
+Same return contracts as the exact engines, so the metrics can swap backends:
+
+* :func:`cross_group_knn_ann` ↔ :func:`cachescore.neighbors.exact.cross_group_knn`;
+* :func:`typed_knn_ann` ↔ :func:`cachescore.neighbors.typed.typed_knn`.
+
+How a result is produced
+------------------------
+1. A pynndescent graph (``NNDescent``, metric ``"cosine"``) is built per scope: over all rows for
+   the cross-group search, over each (label, confounder) *target cell* for the typed search.
+2. Every query asks the graph for ``k + G + 1`` candidates (``G`` = largest group in the searched
+   rows), because up to ``G`` of them can be excluded as same-group rows.
+3. pynndescent's own distances are never used (float32 fast-math, and non-positive similarities are
+   mapped to "infinitely far"). For every candidate the distance is **recomputed** as
+   ``clip(1 - u_i·u_j, 0, 2)`` in ``u``'s dtype, same-group candidates are dropped and the rest are
+   re-ranked by ``(distance, index)``.
+4. The recall is **measured** against exact brute-force search on a random sample of queries. While
+   it is below ``recall_target`` the candidate set is widened (twice the query width, a larger
+   search ``epsilon``, and the graph neighbours of the neighbours kept so far) and step 3 is
+   repeated, for at most ``max_rounds`` widenings; then :class:`RecallTargetError` is raised.
+
+Recall, as measured here, is tie-robust: for a sampled query with exact k-th distance ``r`` the
+number of returned neighbours at distance ``<= r + tol`` (at most k) over k, summed over queries.
+``tol`` (:data:`DISTANCE_TOL`) absorbs the last-ulp difference between a batched dot product and the
+exact engines' GEMM (spec §12.3: ~4e-7 for float32, ~1e-15 for float64). Rows returned are always
+valid (other group, exact distance); a miss only means a farther row took a slot.
+
+Memory: pynndescent holds a float32 copy of the searched rows plus a graph of ``n × n_neighbors``;
+candidate tables are processed in query blocks of bounded size (:data:`GATHER_BYTES`). No
+``n × n`` array is ever formed; the recall audit costs ``n_recall_queries × n × d`` flops.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .normalize import cosine_distance_block
+
+__all__ = [
+    "DISTANCE_TOL",
+    "GATHER_BYTES",
+    "RecallTargetError",
+    "AnnKnnResult",
+    "AnnTypedResult",
+    "auto_n_neighbors",
+    "cross_group_knn_ann",
+    "cross_group_knn_ann_with_recall",
+    "typed_knn_ann",
+    "typed_knn_ann_with_recall",
+    "exact_knn_rows",
+    "exact_typed_rows",
+    "measure_recall",
+    "measure_typed_recall",
+]
+
+#: Absolute slack when deciding that a returned distance reaches the exact k-th distance, per dtype
+#: of ``u`` (spec §12.3 parity tolerances for a pair distance computed by two kernels).
+DISTANCE_TOL = {np.dtype(np.float32): 4e-7, np.dtype(np.float64): 1e-15}
+
+#: Upper bound (bytes) of the gathered candidate rows ``u[cand]`` held at once in a query block.
+GATHER_BYTES = 64 * 2**20
+
+#: Edge of the square distance tiles used by the brute-force paths (audit and small scopes).
+BRUTE_BLOCK = 2048
+
+#: Scopes with at most this many rows are searched by brute force (a graph would not pay off).
+BRUTE_MAX_ROWS = 2048
+
+
+class RecallTargetError(RuntimeError):
+    """The measured recall stayed below the target after every widening round."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AnnKnnResult:
+    """Cross-group neighbours from :func:`cross_group_knn_ann_with_recall`.
+
+    ``idx`` (n, kmax) int64 padded -1 and ``dist`` (n, kmax) float64 padded +inf follow the exact
+    contract; ``recall`` is the value measured on ``n_recall_queries`` sampled rows after
+    ``rounds`` widenings (0 = first pass), with ``candidate_width`` candidates per query in the
+    last pass. ``exact`` is True when the scope was small enough to be searched by brute force.
+    """
+
+    idx: np.ndarray
+    dist: np.ndarray
+    recall: float
+    recall_target: float
+    n_recall_queries: int
+    rounds: int
+    candidate_width: int
+    exact: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class AnnTypedResult:
+    """Typed neighbour distances from :func:`typed_knn_ann_with_recall`.
+
+    ``so_dist`` / ``os_dist`` (n, m) float64 ascending, +inf padded, as ``typed_knn``; ``recall``
+    pools SO and OS over ``n_recall_queries`` sampled rows; ``rounds`` widenings were needed;
+    ``exact_cells`` of the ``n_cells`` target cells were small enough for brute force.
+    """
+
+    so_dist: np.ndarray
+    os_dist: np.ndarray
+    recall: float
+    recall_target: float
+    n_recall_queries: int
+    rounds: int
+    n_cells: int
+    exact_cells: int
+
+
+# --------------------------------------------------------------------------------------------
+# validation
+
+
+def _check_u(u) -> np.ndarray:
+    if not isinstance(u, np.ndarray):
+        u = np.asarray(u)
+    if u.ndim != 2:
+        raise ValueError(f"u must be a 2-D array of normalised rows (n, d), got {u.ndim}-D")
+    if u.dtype not in (np.float32, np.float64):
+        raise TypeError(f"u must be float32 or float64 normalised rows, got dtype {u.dtype}")
+    return u
+
+
+def _check_codes(name: str, a, n: int) -> np.ndarray:
+    a = np.asarray(a)
+    if a.shape != (n,):
+        raise ValueError(f"{name} must have shape ({n},) to match u, got {a.shape}")
+    if not np.issubdtype(a.dtype, np.integer):
+        raise TypeError(f"{name} must hold integer codes, got dtype {a.dtype}")
+    return a.astype(np.int64, copy=False)
+
+
+def _check_positive_int(name: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or int(v) < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    return int(v)
+
+
+def _check_target(recall_target) -> float:
+    t = float(recall_target)
+    if not 0.0 < t <= 1.0:
+        raise ValueError(f"recall_target must be in (0, 1], got {recall_target!r}")
+    return t
+
+
+def _seed(random_state) -> int | None:
+    """An int seed for pynndescent and the audit sample from an int, a Generator or None."""
+    if random_state is None:
+        return None
+    if isinstance(random_state, np.random.Generator):
+        return int(random_state.integers(0, 2**31 - 1))
+    if isinstance(random_state, np.random.RandomState):
+        return int(random_state.randint(0, 2**31 - 1))
+    return int(random_state)
+
+
+# --------------------------------------------------------------------------------------------
+# kernels (numpy in, numpy out)
+
+
+def _topk(dist: np.ndarray, idx: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, the k entries smallest by ``(dist, idx)``; +inf entries come out as (-1, +inf).
+
+    ``dist`` (b, w) float64 with +inf for invalid entries, ``idx`` (b, w) int64. Returns (b, k).
+    Exact under ties: the partition threshold keeps every entry equal to the k-th value.
+    """
+    b, w = dist.shape
+    out_i = np.full((b, k), -1, dtype=np.int64)
+    out_d = np.full((b, k), np.inf, dtype=np.float64)
+    if b == 0 or w == 0:
+        return out_i, out_d
+    if w > 4 * k:
+        thr = np.partition(dist, k - 1, axis=1)[:, k - 1 : k]
+        r, c = np.nonzero(dist <= thr)
+        d = dist[r, c]
+        i = idx[r, c]
+    else:
+        r = np.repeat(np.arange(b), w)
+        d = dist.ravel()
+        i = idx.ravel()
+    order = np.lexsort((i, d, r))
+    r, d, i = r[order], d[order], i[order]
+    start = np.searchsorted(r, np.arange(b))
+    rank = np.arange(r.size) - start[r]
+    keep = (rank < k) & np.isfinite(d)
+    out_i[r[keep], rank[keep]] = i[keep]
+    out_d[r[keep], rank[keep]] = d[keep]
+    return out_i, out_d
+
+
+def _merge(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray], k: int):
+    """Merge two (idx, dist) top lists of disjoint candidates into one top-k by (dist, idx)."""
+    return _topk(np.concatenate([a[1], b[1]], axis=1), np.concatenate([a[0], b[0]], axis=1), k)
+
+
+def _refine(u, groups, qrows, cand, k):
+    """Exact top-k of candidates for queries ``qrows``: dedupe, drop same-group, recompute, rank.
+
+    ``cand`` (b, w) global row indices, -1 = none. Distances are ``clip(1 - u_q·u_j, 0, 2)`` in u's
+    dtype (a batched dot product), returned as float64. Processed in blocks of bounded memory.
+    """
+    nq, w = cand.shape
+    out_i = np.empty((nq, k), dtype=np.int64)
+    out_d = np.empty((nq, k), dtype=np.float64)
+    step = max(1, GATHER_BYTES // max(1, w * u.shape[1] * u.itemsize))
+    for s in range(0, nq, step):
+        c = np.sort(cand[s : s + step], axis=1)
+        q = qrows[s : s + step]
+        bad = c < 0
+        bad[:, 1:] |= c[:, 1:] == c[:, :-1]
+        safe = np.where(bad, 0, c)
+        bad |= groups[safe] == groups[q][:, None]
+        uq = np.asarray(u[q])
+        dots = np.matmul(np.asarray(u[safe.ravel()]).reshape(c.shape + (u.shape[1],)), uq[:, :, None])[..., 0]
+        np.subtract(1, dots, out=dots)
+        np.clip(dots, 0, 2, out=dots)
+        d = dots.astype(np.float64)
+        d[bad] = np.inf
+        out_i[s : s + step], out_d[s : s + step] = _topk(d, safe, k)
+    return out_i, out_d
+
+
+def _brute(u, groups, qrows, trows, k, *, block=BRUTE_BLOCK):
+    """Exact top-k by (dist, idx) of ``qrows`` over target rows ``trows`` (1-D global indices),
+    excluding same-group targets; blocked GEMMs (no |q|×|t| array). Returns global indices."""
+    nq = qrows.size
+    best = (np.full((nq, k), -1, np.int64), np.full((nq, k), np.inf))
+    tgroups = groups[trows]
+    contiguous = trows.size > 0 and trows[-1] - trows[0] + 1 == trows.size and np.all(np.diff(trows) == 1)
+    for s in range(0, nq, block):
+        q = qrows[s : s + block]
+        uq = np.asarray(u[q])
+        gq = groups[q][:, None]
+        acc = (best[0][s : s + block], best[1][s : s + block])
+        for t in range(0, trows.size, block):
+            if contiguous:
+                ut = np.asarray(u[trows[0] + t : trows[0] + t + block])
+            else:
+                ut = np.asarray(u[trows[t : t + block]])
+            d = cosine_distance_block(uq, ut).astype(np.float64)
+            d[gq == tgroups[None, t : t + block]] = np.inf
+            ids = np.broadcast_to(trows[None, t : t + block], d.shape)
+            acc = _merge(acc, _topk(d, np.ascontiguousarray(ids), k), k)
+        best[0][s : s + block], best[1][s : s + block] = acc
+    return best
+
+
+# --------------------------------------------------------------------------------------------
+# a searched scope: a graph over some rows, or brute force when small
+
+
+def auto_n_neighbors(gmax: int) -> int:
+    """Default graph degree for a scope whose largest group has ``gmax`` rows: 30, raised to
+    ``0.6 * gmax`` (at most 96) so that the graph keeps edges between groups."""
+    return int(min(96, max(30, math.ceil(0.6 * gmax))))
+
+
+class _Scope:
+    """The rows one graph is built on (``rows``, sorted global indices) and how to query it."""
+
+    def __init__(self, u, groups, rows, *, n_neighbors, seed, n_jobs, metric, brute):
+        self.u, self.groups, self.rows = u, groups, rows
+        _, counts = np.unique(groups[rows], return_counts=True)
+        self.gmax = int(counts.max()) if counts.size else 0
+        if n_neighbors is None:
+            n_neighbors = auto_n_neighbors(self.gmax)
+        self.brute = brute or rows.size <= max(BRUTE_MAX_ROWS, 2 * n_neighbors)
+        self.index = None
+        if not self.brute:
+            from pynndescent import NNDescent
+
+            data = np.ascontiguousarray(u[rows], dtype=np.float32)
+            self.index = NNDescent(
+                data,
+                metric=metric,
+                n_neighbors=int(min(n_neighbors, rows.size - 1)),
+                random_state=seed,
+                n_jobs=n_jobs,
+                low_memory=True,
+                verbose=False,
+            )
+            self._graph = None
+
+    def graph(self) -> np.ndarray:
+        """The pynndescent k-NN graph in global row indices (-1 padded)."""
+        if self._graph is None:
+            local = self.index.neighbor_graph[0].astype(np.int64)
+            self._graph = np.where(local < 0, -1, self.rows[np.maximum(local, 0)])
+        return self._graph
+
+    def candidates(self, qrows, width, epsilon, *, block=65536):
+        """(|q|, width) global candidate indices from a graph query (-1 = none)."""
+        width = int(min(width, self.rows.size))
+        out = np.empty((qrows.size, width), dtype=np.int64)
+        for s in range(0, qrows.size, block):
+            q = np.ascontiguousarray(self.u[qrows[s : s + block]], dtype=np.float32)
+            local, _ = self.index.query(q, k=width, epsilon=epsilon)
+            local = local.astype(np.int64)
+            out[s : s + block] = np.where(local < 0, -1, self.rows[np.maximum(local, 0)])
+        return out
+
+    def neighbours_of(self, kept, n_expand):
+        """Graph neighbours of the first ``n_expand`` kept neighbours (global, -1 padded)."""
+        g = self.graph()
+        local_pos = np.searchsorted(self.rows, np.maximum(kept[:, :n_expand], 0))
+        local_pos = np.minimum(local_pos, self.rows.size - 1)
+        nb = g[local_pos]  # (b, n_expand, nn) in global indices
+        nb[kept[:, :n_expand] < 0] = -1
+        return nb.reshape(kept.shape[0], -1)
+
+    def search(self, qrows, k, *, width, epsilon, kept=None, n_expand=0):
+        """Exact-refined top-k of ``qrows`` within this scope; ``kept`` (from a previous round)
+        and its graph neighbours are added to the candidates."""
+        if self.brute:
+            return _brute(self.u, self.groups, qrows, self.rows, k)
+        parts = [self.candidates(qrows, width, epsilon)]
+        if kept is not None:
+            parts.append(kept)
+            if n_expand > 0:
+                parts.append(self.neighbours_of(kept, n_expand))
+        zero = _zero_rows(self.u, qrows)
+        if zero.any():
+            # A zero row is at distance exactly 1 from every row: its answer is the lowest
+            # indices outside its group, which the graph cannot propose.
+            first = self.rows[: min(self.rows.size, k + self.gmax + 1)]
+            extra = np.full((qrows.size, first.size), -1, dtype=np.int64)
+            extra[zero] = first
+            parts.append(extra)
+        return _refine(self.u, self.groups, qrows, np.concatenate(parts, axis=1), k)
+
+
+def _zero_rows(u, rows, block=65536) -> np.ndarray:
+    out = np.empty(rows.size, dtype=bool)
+    for s in range(0, rows.size, block):
+        x = np.asarray(u[rows[s : s + block]])
+        out[s : s + block] = ~np.any(x != 0, axis=1)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# exact references for the audit
+
+
+def exact_knn_rows(u, groups, rows, kmax):
+    """Exact cross-group top-``kmax`` of the query ``rows`` over the whole scope.
+
+    Same ordering and padding as ``exact.cross_group_knn`` restricted to ``rows``: returns
+    ``(idx, dist)`` of shape (len(rows), kmax), int64 / float64, by (distance, index).
+    Cost ``len(rows) × n × d`` flops in blocked GEMMs.
+    """
+    u = _check_u(u)
+    groups = _check_codes("groups", groups, u.shape[0])
+    kmax = _check_positive_int("kmax", kmax)
+    return _brute(u, groups, np.asarray(rows, dtype=np.int64), np.arange(u.shape[0]), kmax)
+
+
+def exact_typed_rows(u, labels, confounders, groups, rows, m, *, block=BRUTE_BLOCK):
+    """Exact SO and OS top-``m`` (idx, dist) of the query ``rows`` (brute force over the scope).
+
+    Returns ``((so_idx, so_dist), (os_idx, os_dist))``, each of shape (len(rows), m), ordered by
+    (distance, index), padded (-1, +inf), same-group rows excluded.
+    """
+    u = _check_u(u)
+    n = u.shape[0]
+    labels = _check_codes("labels", labels, n)
+    confounders = _check_codes("confounders", confounders, n)
+    groups = _check_codes("groups", groups, n)
+    m = _check_positive_int("m", m)
+    rows = np.asarray(rows, dtype=np.int64)
+    so = (np.full((rows.size, m), -1, np.int64), np.full((rows.size, m), np.inf))
+    os_ = (np.full((rows.size, m), -1, np.int64), np.full((rows.size, m), np.inf))
+    for s in range(0, rows.size, block):
+        q = rows[s : s + block]
+        uq = np.asarray(u[q])
+        a_so = (so[0][s : s + block], so[1][s : s + block])
+        a_os = (os_[0][s : s + block], os_[1][s : s + block])
+        for t in range(0, n, block):
+            sl = slice(t, min(n, t + block))
+            d = cosine_distance_block(uq, np.asarray(u[sl])).astype(np.float64)
+            d[groups[q][:, None] == groups[None, sl]] = np.inf
+            lab, con = labels[sl][None, :], confounders[sl][None, :]
+            lq, cq = labels[q][:, None], confounders[q][:, None]
+            m_so = (lab == lq) & (con != cq)
+            m_os = (lab != lq) & (con == cq)
+            ids = np.ascontiguousarray(np.broadcast_to(np.arange(sl.start, sl.stop)[None, :], d.shape))
+            a_so = _merge(a_so, _topk(np.where(m_so, d, np.inf), ids, m), m)
+            a_os = _merge(a_os, _topk(np.where(m_os, d, np.inf), ids, m), m)
+        so[0][s : s + block], so[1][s : s + block] = a_so
+        os_[0][s : s + block], os_[1][s : s + block] = a_os
+    return so, os_
+
+
+def _recall_counts(found_dist, true_dist, tol):
+    """(hits, total) of the tie-robust recall: per row, found distances ``<= r + tol`` (capped
+    at the number of true neighbours) where r is the row's last finite true distance."""
+    true_valid = np.isfinite(true_dist)
+    n_true = true_valid.sum(axis=1)
+    r = np.where(n_true > 0, np.where(true_valid, true_dist, -np.inf).max(axis=1), -np.inf)
+    hits = np.minimum((found_dist <= r[:, None] + tol).sum(axis=1), n_true)
+    return int(hits.sum()), int(n_true.sum())
+
+
+def _sample(n, n_queries, random_state) -> np.ndarray:
+    n_queries = _check_positive_int("n_queries", n_queries)
+    rng = np.random.default_rng(_seed(random_state))
+    return np.sort(rng.choice(n, size=min(n, n_queries), replace=False)).astype(np.int64)
+
+
+def measure_recall(u, groups, idx, *, n_queries=1000, random_state=0, search=None) -> float:
+    """Recall of a cross-group neighbour table ``idx`` (n, kmax) on ``n_queries`` sampled rows.
+
+    ``search(u, groups, rows, kmax) -> (idx, dist)`` gives the exact answer for the sampled rows
+    (default :func:`exact_knn_rows`). The distances of ``idx`` are recomputed exactly, so the
+    measure is tie-robust (module docstring); entries in the query's own group never count.
+    Returns 1.0 when no sampled row has any eligible neighbour.
+    """
+    u = _check_u(u)
+    n = u.shape[0]
+    groups = _check_codes("groups", groups, n)
+    idx = np.asarray(idx)
+    if idx.ndim != 2 or idx.shape[0] != n:
+        raise ValueError(f"idx must have shape ({n}, kmax), got {idx.shape}")
+    rows = _sample(n, n_queries, random_state)
+    search = exact_knn_rows if search is None else search
+    _, true_d = search(u, groups, rows, idx.shape[1])
+    _, found_d = _refine(u, groups, rows, np.asarray(idx[rows], dtype=np.int64), idx.shape[1])
+    hits, total = _recall_counts(found_d, np.asarray(true_d, dtype=np.float64), DISTANCE_TOL[u.dtype])
+    return 1.0 if total == 0 else hits / total
+
+
+def measure_typed_recall(
+    u, labels, confounders, groups, so_dist, os_dist, *, n_queries=1000, random_state=0
+) -> float:
+    """Pooled SO+OS recall of typed distance tables (n, m) on ``n_queries`` sampled rows.
+
+    A sampled row's true SO (OS) neighbour counts as found when the table holds a distance
+    ``<= r + tol``, r being its exact m-th SO (OS) distance; exact answers by
+    :func:`exact_typed_rows`. Returns 1.0 when no sampled row has any eligible neighbour.
+    """
+    u = _check_u(u)
+    so_dist, os_dist = np.asarray(so_dist), np.asarray(os_dist)
+    if so_dist.shape != os_dist.shape or so_dist.ndim != 2 or so_dist.shape[0] != u.shape[0]:
+        raise ValueError(f"so_dist and os_dist must both have shape ({u.shape[0]}, m)")
+    rows = _sample(u.shape[0], n_queries, random_state)
+    (_, t_so), (_, t_os) = exact_typed_rows(u, labels, confounders, groups, rows, so_dist.shape[1])
+    tol = DISTANCE_TOL[u.dtype]
+    h1, n1 = _recall_counts(so_dist[rows], t_so, tol)
+    h2, n2 = _recall_counts(os_dist[rows], t_os, tol)
+    return 1.0 if n1 + n2 == 0 else (h1 + h2) / (n1 + n2)
+
+
+# --------------------------------------------------------------------------------------------
+# public ANN searches
+
+
+def cross_group_knn_ann_with_recall(
+    u,
+    groups,
+    kmax,
+    *,
+    recall_target=0.99,
+    random_state=None,
+    n_jobs=1,
+    n_neighbors=None,
+    epsilon=0.1,
+    max_rounds=4,
+    n_recall_queries=1000,
+    n_expand=8,
+    metric="cosine",
+) -> AnnKnnResult:
+    """Cross-group kNN by pynndescent candidates + exact refinement, with its measured recall.
+
+    Parameters
+    ----------
+    u : ndarray (n, d), float32 or float64
+        Doubly-normalised rows (:func:`~cachescore.neighbors.normalize.normalize_rows`); may be a
+        ``np.memmap``. Distances are recomputed in this dtype.
+    groups : int array (n,)
+        Group codes; rows of the query's group (itself included) are never neighbours.
+    kmax : int >= 1
+        Neighbours kept per row.
+    recall_target : float in (0, 1]
+        Widen the candidate set until the measured recall reaches it.
+    random_state : int, Generator or None
+        Seeds the graph and the audit sample; an int gives identical results on every call
+        (with ``n_jobs=1``).
+    n_jobs : int
+        numba threads for the graph (restored afterwards by pynndescent).
+    n_neighbors : int, optional
+        Graph degree; default :func:`auto_n_neighbors` of the largest group (a graph whose degree
+        is well below the group size links mostly rows of one group and searches badly).
+    epsilon : float
+        pynndescent query ``epsilon`` of the first pass (+0.1 per widening, at most 0.5).
+    max_rounds : int >= 0
+        Widening rounds allowed after the first pass.
+    n_recall_queries : int >= 1
+        Size of the audit sample (exact search for these rows).
+    n_expand : int >= 0
+        Neighbours of the first ``n_expand`` kept rows are added in each widening round.
+    metric : "cosine" or "dot" (pynndescent metric; both only propose candidates).
+
+    Returns
+    -------
+    AnnKnnResult
+        ``idx`` (n, kmax) int64 padded -1 and ``dist`` (n, kmax) float64 padded +inf, ordered
+        by (distance, index), plus ``recall`` and diagnostics. Scopes of at most
+        ``BRUTE_MAX_ROWS`` rows are searched exactly (``exact=True``, recall 1.0).
+
+    Raises
+    ------
+    ValueError / TypeError
+        Bad shapes, dtypes or parameters.
+    RecallTargetError
+        Recall still below ``recall_target`` after ``max_rounds`` widenings.
+    """
+    u = _check_u(u)
+    n = u.shape[0]
+    groups = _check_codes("groups", groups, n)
+    kmax = _check_positive_int("kmax", kmax)
+    target = _check_target(recall_target)
+    if n_neighbors is not None:
+        n_neighbors = _check_positive_int("n_neighbors", n_neighbors)
+    if int(max_rounds) < 0 or int(n_expand) < 0:
+        raise ValueError("max_rounds and n_expand must be >= 0")
+    if metric not in ("cosine", "dot"):
+        raise ValueError(f"metric must be 'cosine' or 'dot', got {metric!r}")
+    seed = _seed(random_state)
+    rows = np.arange(n, dtype=np.int64)
+    if n <= 1:
+        return AnnKnnResult(
+            idx=np.full((n, kmax), -1, np.int64), dist=np.full((n, kmax), np.inf), recall=1.0,
+            recall_target=target, n_recall_queries=0, rounds=0, candidate_width=0, exact=True,
+        )
+    width = min(n, kmax + int(np.unique(groups, return_counts=True)[1].max()) + 1)
+    scope = _Scope(
+        u, groups, rows, n_neighbors=n_neighbors, seed=seed, n_jobs=n_jobs, metric=metric, brute=width >= n
+    )
+    if scope.brute:
+        idx, dist = _brute(u, groups, rows, rows, kmax)
+        return AnnKnnResult(
+            idx=idx, dist=dist, recall=1.0, recall_target=target, n_recall_queries=0,
+            rounds=0, candidate_width=n - 1, exact=True,
+        )
+    audit = _sample(n, n_recall_queries, seed)
+    _, true_d = _brute(u, groups, audit, rows, kmax)
+    tol = DISTANCE_TOL[u.dtype]
+    kept, rounds, eps = None, 0, float(epsilon)
+    while True:
+        idx, dist = scope.search(rows, kmax, width=width, epsilon=eps, kept=kept, n_expand=min(n_expand, kmax) if kept is not None else 0)
+        hits, total = _recall_counts(dist[audit], true_d, tol)
+        recall = 1.0 if total == 0 else hits / total
+        if recall >= target:
+            break
+        if rounds >= int(max_rounds):
+            raise RecallTargetError(
+                f"ANN cross-group search reached recall {recall:.4f} < target {target} on "
+                f"{audit.size} sampled rows after {rounds} widening round(s) (n={n}, kmax={kmax}, "
+                f"candidate width {width}); raise n_neighbors / max_rounds or use backend='exact'"
+            )
+        kept, rounds = idx, rounds + 1
+        width, eps = min(n, 2 * width), min(0.5, eps + 0.1)
+    return AnnKnnResult(
+        idx=idx, dist=dist, recall=recall, recall_target=target, n_recall_queries=int(audit.size),
+        rounds=rounds, candidate_width=int(width), exact=False,
+    )
+
+
+def cross_group_knn_ann(u, groups, kmax, *, recall_target=0.99, random_state=None, n_jobs=1, **options):
+    """:func:`cross_group_knn_ann_with_recall` returning only ``(idx, dist)`` (exact contract)."""
+    r = cross_group_knn_ann_with_recall(
+        u, groups, kmax, recall_target=recall_target, random_state=random_state, n_jobs=n_jobs, **options
+    )
+    return r.idx, r.dist
+
+
+def typed_knn_ann_with_recall(
+    u,
+    labels,
+    confounders,
+    groups,
+    m,
+    *,
+    recall_target=0.99,
+    random_state=None,
+    n_jobs=1,
+    n_neighbors=None,
+    epsilon=0.1,
+    max_rounds=4,
+    n_recall_queries=1000,
+    n_expand=4,
+    metric="cosine",
+) -> AnnTypedResult:
+    """Typed (SO / OS) neighbour distances by one pynndescent graph per target cell.
+
+    For each (label, confounder) target cell ``t`` a graph is built over its rows and queried by
+    every row whose SO or OS pool contains ``t`` (same label xor same confounder), asking for
+    ``m + G_t + 1`` candidates (``G_t`` = largest group inside ``t``). Candidates are refined
+    exactly (same-group dropped, distances recomputed in u's dtype, ranked by (distance, index)),
+    the per-cell top-m lists are merged per type, and the pooled SO+OS recall is measured on
+    ``n_recall_queries`` sampled rows against :func:`exact_typed_rows`; below ``recall_target``
+    every cell query is widened as in :func:`cross_group_knn_ann_with_recall`. Cells of at most
+    ``BRUTE_MAX_ROWS`` rows are searched by brute force.
+
+    Parameters are those of :func:`cross_group_knn_ann_with_recall`, with ``labels`` and
+    ``confounders`` integer codes of shape (n,) and ``m >= 1`` in place of ``kmax``.
+
+    Returns
+    -------
+    AnnTypedResult
+        ``so_dist`` / ``os_dist`` (n, m) float64 ascending, +inf padded (``typed_knn`` contract).
+
+    Raises
+    ------
+    ValueError / TypeError, RecallTargetError
+        As :func:`cross_group_knn_ann_with_recall`.
+    """
+    u = _check_u(u)
+    n = u.shape[0]
+    labels = _check_codes("labels", labels, n)
+    confounders = _check_codes("confounders", confounders, n)
+    groups = _check_codes("groups", groups, n)
+    m = _check_positive_int("m", m)
+    target = _check_target(recall_target)
+    if n_neighbors is not None:
+        n_neighbors = _check_positive_int("n_neighbors", n_neighbors)
+    if int(max_rounds) < 0 or int(n_expand) < 0:
+        raise ValueError("max_rounds and n_expand must be >= 0")
+    if metric not in ("cosine", "dot"):
+        raise ValueError(f"metric must be 'cosine' or 'dot', got {metric!r}")
+    seed = _seed(random_state)
+
+    pairs = np.stack([labels, confounders], axis=1)
+    keys, cell_of = np.unique(pairs, axis=0, return_inverse=True)
+    cell_of = cell_of.ravel()
+    cells = []  # (scope, query rows, query is SO (bool per query))
+    for t, (lt, ct) in enumerate(keys):
+        trows = np.flatnonzero(cell_of == t)
+        q_so = (labels == lt) & (confounders != ct)
+        q_os = (labels != lt) & (confounders == ct)
+        qrows = np.flatnonzero(q_so | q_os)
+        if qrows.size == 0:
+            continue
+        cell_seed = None if seed is None else seed + 7919 * t
+        scope = _Scope(u, groups, trows, n_neighbors=n_neighbors, seed=cell_seed, n_jobs=n_jobs, metric=metric, brute=False)
+        cells.append((scope, qrows, q_so[qrows]))
+
+    audit = _sample(n, n_recall_queries, seed) if n else np.empty(0, np.int64)
+    (_, t_so), (_, t_os) = exact_typed_rows(u, labels, confounders, groups, audit, m)
+    tol = DISTANCE_TOL[u.dtype]
+    kept = [None] * len(cells)
+    rounds, eps, mult = 0, float(epsilon), 1
+    while True:
+        so = (np.full((n, m), -1, np.int64), np.full((n, m), np.inf))
+        os_ = (np.full((n, m), -1, np.int64), np.full((n, m), np.inf))
+        for j, (scope, qrows, is_so) in enumerate(cells):
+            if scope.brute and kept[j] is not None:
+                res = kept[j]
+            else:
+                width = mult * (m + scope.gmax + 1)
+                res = scope.search(
+                    qrows, m, width=width, epsilon=eps, kept=kept[j],
+                    n_expand=min(n_expand, m) if kept[j] is not None else 0,
+                )
+            kept[j] = res
+            for acc, sel in ((so, is_so), (os_, ~is_so)):
+                r = qrows[sel]
+                merged = _merge((acc[0][r], acc[1][r]), (res[0][sel], res[1][sel]), m)
+                acc[0][r], acc[1][r] = merged
+        h1, n1 = _recall_counts(so[1][audit], t_so, tol)
+        h2, n2 = _recall_counts(os_[1][audit], t_os, tol)
+        recall = 1.0 if n1 + n2 == 0 else (h1 + h2) / (n1 + n2)
+        if recall >= target:
+            break
+        if rounds >= int(max_rounds):
+            raise RecallTargetError(
+                f"ANN typed search reached recall {recall:.4f} < target {target} on {audit.size} "
+                f"sampled rows after {rounds} widening round(s) (n={n}, m={m}); raise n_neighbors "
+                f"/ max_rounds or use backend='exact'"
+            )
+        rounds, mult, eps = rounds + 1, 2 * mult, min(0.5, eps + 0.1)
+    return AnnTypedResult(
+        so_dist=so[1], os_dist=os_[1], recall=recall, recall_target=target,
+        n_recall_queries=int(audit.size), rounds=rounds, n_cells=len(cells),
+        exact_cells=sum(1 for c in cells if c[0].brute),
+    )
+
+
+def typed_knn_ann(u, labels, confounders, groups, m, *, recall_target=0.99, random_state=None, n_jobs=1, **options):
+    """:func:`typed_knn_ann_with_recall` returning only ``(so_dist, os_dist)`` (typed contract)."""
+    r = typed_knn_ann_with_recall(
+        u, labels, confounders, groups, m, recall_target=recall_target, random_state=random_state,
+        n_jobs=n_jobs, **options,
+    )
+    return r.so_dist, r.os_dist

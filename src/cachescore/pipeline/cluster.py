@@ -1,0 +1,97 @@
+"""Where the work runs: a LocalCluster on 127.0.0.1 by default, or an existing scheduler.
+
+One code path for both (DESIGN.md §5): :func:`open_client` yields a connected
+:class:`distributed.Client`; every worker gets :class:`SingleThreadBLAS` so BLAS/OpenMP run one
+thread per worker process (the tasks also pin threads themselves, see :mod:`.unit`) and numba is
+asked for one thread. The LocalCluster binds the scheduler, workers and dashboard to 127.0.0.1
+(the dashboard on a free port); its URL is printed by the CLI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+from distributed import Client, LocalCluster
+from distributed.diagnostics.plugin import WorkerPlugin
+
+__all__ = ["SingleThreadBLAS", "open_client", "THREAD_ENV"]
+
+#: Environment given to LocalCluster worker processes (read by BLAS/OpenMP/numba at import).
+THREAD_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "NUMBA_NUM_THREADS": "1",
+}
+
+
+class SingleThreadBLAS(WorkerPlugin):
+    """Worker plugin: one BLAS/OpenMP thread per worker process, one numba thread.
+
+    On an external cluster the worker may already have imported numpy, so environment variables
+    alone are too late; threadpoolctl changes the loaded libraries' pools in place.
+    """
+
+    name = "cachescore-single-thread-blas"
+
+    def setup(self, worker):  # noqa: D401 - plugin hook
+        for k, v in THREAD_ENV.items():
+            os.environ.setdefault(k, v)
+        os.environ.setdefault("NUMBA_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "cachescore-numba"))
+        from threadpoolctl import threadpool_limits
+
+        self._limits = threadpool_limits(limits=1)
+        import sys
+
+        if "numba" in sys.modules:  # only if already loaded: importing numba here costs seconds
+            try:
+                sys.modules["numba"].set_num_threads(1)
+            except (ValueError, AttributeError):  # pragma: no cover - numba launched fewer threads
+                pass
+
+    def teardown(self, worker):
+        limits = getattr(self, "_limits", None)
+        if limits is not None:
+            limits.restore_original_limits()
+
+
+@contextlib.contextmanager
+def open_client(scheduler: str | None = None, *, n_workers: int = 2, memory_limit: str = "auto",
+                dashboard: bool = True, processes: bool = True) -> Iterator[Client]:
+    """Connect to ``scheduler`` (``"tcp://host:port"``) or start a LocalCluster; yield a Client.
+
+    Parameters
+    ----------
+    scheduler : str, optional
+        Address of a running scheduler. Empty/None starts a LocalCluster on 127.0.0.1 with
+        ``n_workers`` single-threaded workers.
+    n_workers, memory_limit : LocalCluster settings (ignored with ``scheduler``).
+    dashboard : bool
+        Serve the LocalCluster dashboard on 127.0.0.1 (free port). ``client.dashboard_link`` has the URL.
+    processes : bool
+        LocalCluster worker processes (default) or threads in this process (tests).
+
+    Raises
+    ------
+    OSError
+        The scheduler cannot be reached (distributed's timeout error is an ``OSError``).
+    """
+    if scheduler:
+        client = Client(scheduler, set_as_default=False)
+        try:
+            client.register_plugin(SingleThreadBLAS())
+            yield client
+        finally:
+            client.close()
+        return
+    kwargs = dict(n_workers=n_workers, threads_per_worker=1, processes=processes, host="127.0.0.1",
+                  dashboard_address="127.0.0.1:0" if dashboard else None, memory_limit=memory_limit)
+    if processes:
+        kwargs["env"] = dict(THREAD_ENV)
+    else:  # in-process workers talk over inproc://, no network address
+        kwargs.pop("host")
+    with LocalCluster(**kwargs) as cluster, Client(cluster, set_as_default=False) as client:
+        client.register_plugin(SingleThreadBLAS())
+        yield client

@@ -1,0 +1,248 @@
+"""Execution: submit the pending work units as Dask futures, show progress, record everything.
+
+:func:`run_job` is the whole run (what ``cachescore run`` calls): synthesise the demo cache if the
+job asks for it, plan, record units that failed at planning, open the client (LocalCluster or
+``--scheduler``), submit one task per pending unit (with retries for transient failures), draw a
+progress bar, save a Dask ``performance_report`` in the store's run folder and write the run's
+provenance. Nothing is started when no unit is pending, so a second run of an unchanged job
+executes no unit (``RunSummary.executed == 0``).
+
+Tasks write their own results (atomic store writes on the worker): a client killed midway leaves a
+valid store, and the next run executes only the units without a result.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TextIO
+
+from .plan import Plan, code_version, plan_job
+from .unit import run_unit
+
+__all__ = ["RunSummary", "execute_plan", "run_job", "ensure_demo_cache", "new_run_id", "ProgressBar"]
+
+
+@dataclass
+class RunSummary:
+    """What a run did. ``executed`` counts tasks submitted in this run; ``skipped`` the units
+    already in the store; ``failures`` one dict per failed unit (``label``, ``fingerprint``,
+    ``error``), planning failures included."""
+
+    run_id: str
+    planned: int
+    executed: int
+    skipped: int
+    succeeded: int
+    failures: list = field(default_factory=list)
+    report_path: str | None = None
+    dashboard: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+def new_run_id() -> str:
+    """``YYYYmmddTHHMMSSZ-<8 hex>``: sortable by start time, unique across concurrent runs."""
+    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:8]
+
+
+class ProgressBar:
+    """A dependency-free text progress bar: redraws in place on a terminal, one line per
+    finished unit otherwise (logs, CI)."""
+
+    def __init__(self, total: int, out: TextIO | None, width: int = 30):
+        self.total, self.out, self.width = total, out, width
+        self.done = self.failed = 0
+        self.tty = bool(out is not None and getattr(out, "isatty", lambda: False)())
+
+    def update(self, label: str, status: str, seconds: float | None = None) -> None:
+        self.done += 1
+        self.failed += status != "done"
+        if self.out is None:
+            return
+        frac = self.done / self.total if self.total else 1.0
+        bar = "#" * int(round(frac * self.width))
+        sec = f" {seconds:.1f}s" if seconds is not None else ""
+        head = f"[{bar:<{self.width}}] {self.done}/{self.total} units"
+        tail = f" ({self.failed} failed)" if self.failed else ""
+        if self.tty:
+            self.out.write(f"\r{head}{tail}  {status} {label}{sec}\033[K")
+            if self.done == self.total:
+                self.out.write("\n")
+        else:
+            self.out.write(f"{head}{tail}  {status} {label}{sec}\n")
+        self.out.flush()
+
+
+def _say(out: TextIO | None, msg: str) -> None:
+    if out is not None:
+        out.write(msg + "\n")
+        out.flush()
+
+
+def execute_plan(plan: Plan, client, *, store=None, retries: int = 2, out: TextIO | None = sys.stderr,
+                 unit_fn=None, load_fn=None, run_id: str | None = None) -> tuple[int, list]:
+    """Run the plan's pending units on ``client``; return ``(n_succeeded, failures)``.
+
+    One task per unit (key ``cachescore-<metric>-<fingerprint>``), ``retries`` retries for
+    exceptions that are not data errors. A unit whose task finally errors (retries exhausted,
+    worker killed too often) is recorded as failed in the store by the client.
+    ``unit_fn`` / ``load_fn`` replace :func:`~.unit.score_unit` / :func:`~.unit.load_unit_inputs`
+    (tests).
+    """
+    from distributed import as_completed
+
+    from ..store import ResultsStore
+
+    store = ResultsStore(plan.job.store) if store is None else store
+    units = {u.fingerprint: u for u in plan.pending}
+    futures = {}
+    for fp, u in units.items():
+        fut = client.submit(run_unit, u, unit_fn, load_fn, run_id, key=f"cachescore-{u.metric}-{fp}", retries=retries,
+                            pure=False)
+        futures[fut] = fp
+    bar = ProgressBar(len(futures), out)
+    succeeded, failures = 0, []
+    for fut in as_completed(list(futures), loop=client.loop):
+        unit = units[futures[fut]]
+        if fut.status == "error":
+            exc = fut.exception()
+            err = f"{type(exc).__name__}: {exc}"
+            store.record_failure(unit.fingerprint, unit=dict(unit.describe(), run_id=run_id), error=err)
+            failures.append({"label": unit.label, "fingerprint": unit.fingerprint, "error": err})
+            bar.update(unit.label, "FAILED")
+            continue
+        res = fut.result()
+        if res["status"] == "done":
+            succeeded += 1
+        else:
+            failures.append({"label": unit.label, "fingerprint": unit.fingerprint, "error": res["error"]})
+        bar.update(unit.label, res["status"] if res["status"] == "done" else "FAILED", res.get("seconds"))
+        fut.release()
+    return succeeded, failures
+
+
+def ensure_demo_cache(job, out: TextIO | None = sys.stderr) -> bool:
+    """Synthesise the demo cache at ``job.cache`` if ``[demo] synthesise`` is set and the folder
+    does not exist. Returns whether it was created."""
+    if not job.demo.get("synthesise") or Path(job.cache).exists():
+        return False
+    from ..cache.synthetic import make_demo_cache
+
+    _say(out, f"synthesising demo cache at {job.cache}")
+    d = job.demo
+    make_demo_cache(job.cache, n_slides_per_cell=d["n_slides_per_cell"], tiles_per_slide=d["tiles_per_slide"],
+                    dim=d["dim"], seed=d["seed"])
+    return True
+
+
+def _versions() -> dict:
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for dist in ("cachescore", "numpy", "pandas", "scipy", "scikit-learn", "dask", "distributed", "pyarrow",
+                 "pynndescent", "numba", "threadpoolctl", "croma"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def _hardware(client=None) -> dict:
+    info = {"platform": platform.platform(), "machine": platform.machine(), "client_cpus": os.cpu_count()}
+    try:
+        info["client_memory_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        info["client_memory_bytes"] = None
+    if client is not None:
+        workers = client.scheduler_info(n_workers=-1).get("workers", {})
+        info["scheduler"] = client.scheduler.address
+        info["workers"] = [{"address": a, "nthreads": w.get("nthreads"), "memory_limit": w.get("memory_limit")}
+                           for a, w in sorted(workers.items())]
+    return info
+
+
+def run_job(job, *, scheduler: str | None = None, out: TextIO | None = sys.stderr, processes: bool = True,
+            unit_fn=None, load_fn=None) -> RunSummary:
+    """Score a job end to end (see module docstring). ``scheduler`` overrides ``[execution] scheduler``.
+
+    Returns a :class:`RunSummary`; it does not raise for failed units (they are in
+    ``summary.failures`` and in the store). Raises for job-level problems: missing cache,
+    encoder/view not in the cache, unreachable scheduler.
+    """
+    from ..store import ResultsStore
+    from .cluster import open_client
+
+    t0 = time.perf_counter()
+    run_id = new_run_id()
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    ensure_demo_cache(job, out)
+    if not Path(job.cache).is_dir():
+        raise FileNotFoundError(f"{job.path or '<job>'}: cache folder not found: {job.cache}")
+    store = ResultsStore(job.store)
+    plan = plan_job(job, store=store)
+    failures = []
+    for inv in plan.invalid:
+        store.record_failure(inv.fingerprint, unit=dict(inv.unit, run_id=run_id), error=inv.error)
+        failures.append({"label": inv.label, "fingerprint": inv.fingerprint, "error": inv.error})
+    n_all = len(plan.units) + len(plan.invalid)
+    _say(out, f"job {job.name}: {n_all} units, {len(plan.done)} up to date, {len(plan.pending)} to run, "
+              f"{len(plan.invalid)} invalid")
+    ex = job.execution
+    scheduler = scheduler or ex["scheduler"] or None
+    summary = RunSummary(run_id=run_id, planned=n_all, executed=len(plan.pending), skipped=len(plan.done),
+                         succeeded=0)
+    hardware = None
+    if plan.pending:
+        with open_client(scheduler, n_workers=ex["n_workers"], memory_limit=ex["memory_limit"],
+                         dashboard=ex["dashboard"], processes=processes) as client:
+            summary.dashboard = client.dashboard_link if (scheduler or ex["dashboard"]) else None
+            if summary.dashboard:
+                _say(out, f"dashboard: {summary.dashboard}")
+            hardware = _hardware(client)
+            kw = dict(store=store, retries=ex["retries"], out=out, unit_fn=unit_fn, load_fn=load_fn, run_id=run_id)
+            if ex["performance_report"]:
+                from distributed import performance_report
+
+                report = Path(store.run_dir(run_id)) / "dask-performance-report.html"
+                report.parent.mkdir(parents=True, exist_ok=True)
+                with client.as_current(), performance_report(filename=str(report)):
+                    ok, fails = execute_plan(plan, client, **kw)
+                summary.report_path = str(report)
+            else:
+                ok, fails = execute_plan(plan, client, **kw)
+        summary.succeeded = ok
+        failures += fails
+    summary.failures = failures
+    summary.seconds = time.perf_counter() - t0
+    store.write_provenance(run_id, {
+        "run_id": run_id,
+        "started_at": started,
+        "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "job_path": str(job.path) if job.path else None,
+        "job": job.document,
+        "cache": str(job.cache),
+        "store": str(job.store),
+        "code_version": code_version(),
+        "versions": _versions(),
+        "hardware": hardware or _hardware(),
+        "input_fingerprints": plan.inputs,
+        "units": {"planned": n_all, "executed": summary.executed, "skipped": summary.skipped,
+                  "succeeded": summary.succeeded, "failed": len(failures)},
+        "executed_fingerprints": sorted(u.fingerprint for u in plan.pending),
+        "failures": failures,
+        "performance_report": summary.report_path,
+        "dashboard": summary.dashboard,
+        "seconds": summary.seconds,
+    })
+    return summary

@@ -1,0 +1,298 @@
+"""Planning: turn a job into fingerprinted work units and skip those already in the store.
+
+A **work unit** is one encoder × view × design (the scope family: the whole view under ``all``,
+one scope per complete 2×2 subset under ``paired_2x2``) × metric family (× ``m`` for CRoMa).
+Its fingerprint is the sha256 of canonical JSON over
+
+* the inputs: the embedding fingerprint of (encoder, tileset) and the view fingerprint
+  (:meth:`Cache.embedding_fingerprint`, :meth:`Cache.view_fingerprint`: content hashes);
+* the parameters: metric parameters, design, confounder column and the *resolved* neighbour
+  backend (``auto`` is decided here from the largest scope's n²·d, so changing the threshold
+  only invalidates units whose backend actually changes);
+* the code version: ``cachescore.__version__`` plus a digest of the scoring sources
+  (``metrics/``, ``neighbors/``, ``pipeline/unit.py``), so edited scoring code never reuses
+  stale numbers.
+
+A unit whose fingerprint the store already holds is *done* and is not executed. A unit that cannot
+even be planned (missing embeddings for the view's tileset, an unreadable view) is *invalid*: it
+is recorded as a failure with its error, the rest of the job goes on.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..jobs.schema import Job
+
+__all__ = ["WorkUnit", "InvalidUnit", "Plan", "plan_job", "code_version", "resolve_backend", "unit_fingerprint"]
+
+#: Source folders/files (relative to the package) whose content is part of the code version.
+_SCORING_SOURCES = ("metrics", "neighbors", "pipeline/unit.py")
+
+
+@functools.lru_cache(maxsize=1)
+def code_version() -> str:
+    """``"<cachescore version>+<12 hex of the scoring sources' sha256>"`` (computed once per process)."""
+    from .. import __version__
+
+    pkg = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for rel in _SCORING_SOURCES:
+        p = pkg / rel
+        files = sorted(p.rglob("*.py")) if p.is_dir() else [p]
+        for f in files:
+            if f.is_file():
+                h.update(f.relative_to(pkg).as_posix().encode())
+                h.update(b"\0")
+                h.update(f.read_bytes())
+                h.update(b"\0")
+    return f"{__version__}+{h.hexdigest()[:12]}"
+
+
+def _fingerprint(obj) -> str:
+    from ..store import fingerprint
+
+    return fingerprint(obj)
+
+
+@dataclass(frozen=True)
+class WorkUnit:
+    """One scheduled computation. Plain data: it travels in the task graph instead of arrays.
+
+    ``params`` holds the metric parameters (``k_candidates``/``tau``/``warn_tau`` for RI/MaRI,
+    ``m``/``alpha``/``start_k``/``k_growth_factor`` for CRoMa) and the resolved neighbour settings
+    (``backend`` = ``"exact"`` | ``"ann"``; for ANN also ``recall_target``, ``recall_sample``, ``seed``).
+    """
+
+    encoder: str
+    view: str
+    tileset: str
+    design: str
+    metric: str
+    confounder_column: str
+    params: dict
+    cache_root: str
+    store_root: str
+    inputs: dict
+    code_version: str
+    fingerprint: str
+
+    @property
+    def label(self) -> str:
+        """Short display name: ``encoder/view/design/metric[m=…]``."""
+        extra = f"[m={self.params['m']}]" if self.metric == "croma" else ""
+        return f"{self.encoder}/{self.view}/{self.design}/{self.metric}{extra}"
+
+    def describe(self) -> dict:
+        """JSON-safe identity of the unit (what a failure record and the provenance store)."""
+        return {
+            "encoder": self.encoder,
+            "view": self.view,
+            "tileset": self.tileset,
+            "design": self.design,
+            "family": self.metric,
+            "metric": self.metric,
+            "confounder_column": self.confounder_column,
+            "params": dict(self.params),
+            "inputs": dict(self.inputs),
+            "code_version": self.code_version,
+            "fingerprint": self.fingerprint,
+        }
+
+
+@dataclass(frozen=True)
+class InvalidUnit:
+    """A unit that could not be planned; it is recorded as failed without running."""
+
+    unit: dict
+    fingerprint: str
+    error: str
+
+    @property
+    def label(self) -> str:
+        u = self.unit
+        return f"{u['encoder']}/{u['view']}/{u.get('design', '?')}/{u['metric']}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every unit of a job, split into ``pending`` (to execute), ``done`` (in the store) and
+    ``invalid`` (failed at planning). ``inputs`` maps ``"embeddings/<enc>/<tileset>"`` and
+    ``"views/<view>"`` to their content fingerprints (or an ``"error: …"`` text)."""
+
+    job: Job
+    pending: tuple[WorkUnit, ...]
+    done: tuple[WorkUnit, ...]
+    invalid: tuple[InvalidUnit, ...]
+    inputs: dict = field(default_factory=dict)
+
+    @property
+    def units(self) -> tuple[WorkUnit, ...]:
+        return self.pending + self.done
+
+
+def resolve_backend(backend: str, *, max_scope_rows: int, dim: int, threshold: float) -> str:
+    """Resolve ``auto`` to ``exact`` when ``max_scope_rows**2 * dim <= threshold``, else ``ann``."""
+    if backend != "auto":
+        return backend
+    cost = float(max_scope_rows) ** 2 * float(dim)
+    return "exact" if cost <= threshold else "ann"
+
+
+def unit_fingerprint(*, encoder, view, design, metric, confounder_column, params, inputs, code) -> str:
+    """The work-unit fingerprint (sha256 hex of canonical JSON, see module docstring)."""
+    return _fingerprint({
+        "kind": "cachescore.score-unit/1",
+        "encoder": encoder,
+        "view": view,
+        "design": design,
+        "metric": metric,
+        "confounder_column": confounder_column,
+        "params": params,
+        "inputs": inputs,
+        "code": code,
+    })
+
+
+def _metric_params(job: Job) -> list[tuple[str, dict]]:
+    out = []
+    m = job.metrics
+    for fam in m["families"]:
+        if fam == "ri":
+            out.append(("ri", {"k_candidates": [int(k) for k in m["ri"]["k_candidates"]]}))
+        elif fam == "mari":
+            tau = m["mari"]["tau"]
+            out.append(("mari", {"k_candidates": [int(k) for k in m["mari"]["k_candidates"]],
+                                 "tau": tau if tau == "auto" else float(tau),
+                                 "warn_tau": bool(m["mari"]["warn_tau"])}))
+        elif fam == "croma":
+            c = m["croma"]
+            for mm in dict.fromkeys(int(x) for x in c["m"]):
+                out.append(("croma", {"m": mm, "alpha": float(c["alpha"]), "start_k": int(c["start_k"]),
+                                      "k_growth_factor": float(c["k_growth_factor"])}))
+    return out
+
+
+def _scope_rows(frame, design: str) -> int:
+    """Rows of the largest scope of a view under ``design`` (``subset`` counts for paired)."""
+    if design == "paired_2x2" and "subset" in frame.columns and len(frame):
+        return int(frame["subset"].astype(str).str.strip().value_counts().max())
+    return int(len(frame))
+
+
+def _design_for(job: Job, hint) -> str:
+    if job.design != "auto":
+        return job.design
+    return hint if hint in ("all", "paired_2x2") else "all"
+
+
+def plan_job(job: Job, *, cache=None, store=None) -> Plan:
+    """Enumerate the job's work units, fingerprint them and split them by store state.
+
+    Parameters
+    ----------
+    job : Job
+        A validated job (:func:`cachescore.jobs.load_job`).
+    cache : cachescore.cache.Cache, optional
+        The job's cache (opened from ``job.cache`` when omitted).
+    store : cachescore.store.ResultsStore, optional
+        The job's results store (opened/created at ``job.store`` when omitted).
+
+    Raises
+    ------
+    ValueError
+        An encoder or view named in the job is not in the cache (the message lists what is).
+    FileNotFoundError
+        The cache folder does not exist.
+    """
+    from ..cache import Cache
+    from ..store import ResultsStore
+
+    cache = Cache(job.cache) if cache is None else cache
+    store = ResultsStore(job.store) if store is None else store
+
+    all_encoders, all_views = cache.encoders(), cache.views()
+    for kind, asked, have in (("encoder", job.encoders, all_encoders), ("view", job.views, all_views)):
+        missing = [x for x in asked if x not in have]
+        if missing:
+            raise ValueError(f"{job.path or '<job>'}: {kind}(s) {', '.join(missing)} not in cache {job.cache} "
+                             f"(it has: {', '.join(have) or 'none'})")
+    encoders = list(job.encoders) or list(all_encoders)
+    views = list(job.views) or list(all_views)
+    code = code_version()
+    families = _metric_params(job)
+    nb = job.neighbors
+
+    inputs: dict[str, str] = {}
+    emb_info: dict[tuple[str, str], tuple[str | None, int | None, str | None]] = {}
+
+    def embedding(enc: str, tileset: str):
+        if (enc, tileset) not in emb_info:
+            try:
+                fp = cache.embedding_fingerprint(enc, tileset)
+                dim = int(cache.embeddings(enc, tileset).shape[1])
+                emb_info[(enc, tileset)] = (fp, dim, None)
+                inputs[f"embeddings/{enc}/{tileset}"] = fp
+            except (ValueError, OSError, KeyError) as exc:
+                err = f"{type(exc).__name__}: {exc}"
+                emb_info[(enc, tileset)] = (None, None, err)
+                inputs[f"embeddings/{enc}/{tileset}"] = f"error: {err}"
+        return emb_info[(enc, tileset)]
+
+    pending, done, invalid = [], [], []
+    for view in views:
+        view_err = None
+        try:
+            spec = cache.view_spec(view)
+            view_fp = cache.view_fingerprint(view)
+            frame = cache.read_view(view)
+            inputs[f"views/{view}"] = view_fp
+            design = _design_for(job, getattr(spec, "design", None))
+            scope_rows = _scope_rows(frame, design)
+            tileset, confounder = spec.tileset, spec.confounder_column
+        except (ValueError, OSError, KeyError) as exc:
+            view_err = f"{type(exc).__name__}: {exc}"
+            inputs[f"views/{view}"] = f"error: {view_err}"
+            design = job.design if job.design != "auto" else "?"
+            tileset, confounder, view_fp, scope_rows = "?", "?", None, 0
+        for enc in encoders:
+            emb_fp, dim, emb_err = embedding(enc, tileset) if view_err is None else (None, None, None)
+            for metric, mparams in families:
+                err = view_err or emb_err
+                if err is not None:
+                    ident = {"encoder": enc, "view": view, "tileset": tileset, "design": design,
+                             "family": metric, "metric": metric, "params": mparams}
+                    fp = _fingerprint({"kind": "cachescore.invalid-unit/1", **ident, "error": err, "code": code})
+                    invalid.append(InvalidUnit(unit=ident, fingerprint=fp, error=err))
+                    continue
+                backend = resolve_backend(nb["backend"], max_scope_rows=scope_rows, dim=dim,
+                                          threshold=float(nb["auto_threshold"]))
+                params = dict(mparams, backend=backend)
+                if backend == "ann":
+                    params.update(recall_target=float(nb["recall_target"]), recall_sample=int(nb["recall_sample"]),
+                                  seed=int(nb["seed"]))
+                unit_inputs = {"embeddings": emb_fp, "view": view_fp}
+                fp = unit_fingerprint(encoder=enc, view=view, design=design, metric=metric,
+                                      confounder_column=confounder, params=params, inputs=unit_inputs, code=code)
+                unit = WorkUnit(encoder=enc, view=view, tileset=tileset, design=design, metric=metric,
+                                confounder_column=confounder, params=params, cache_root=str(job.cache),
+                                store_root=str(job.store), inputs=unit_inputs, code_version=code, fingerprint=fp)
+                (done if store.has(fp) else pending).append(unit)
+    return Plan(job=job, pending=tuple(pending), done=tuple(done), invalid=tuple(invalid), inputs=inputs)
+
+
+def _json_default(o):
+    if isinstance(o, np.generic):
+        return o.item()
+    raise TypeError(type(o).__name__)
+
+
+def params_json(params: dict) -> str:
+    """Canonical JSON of a parameter dict (sorted keys, compact), as stored in the scores table."""
+    return json.dumps(params, sort_keys=True, separators=(",", ":"), default=_json_default)

@@ -1,0 +1,729 @@
+"""Leakage audit of a probe sweep's realised splits.
+
+Spec: ``spec/evaluation.md`` C.3 (rules and their stable critical names), B.2 (severity), Part D.
+
+For every (replicate, split) outcome the audit checks, over the roles ``train``, ``val`` and
+``in_domain`` (the sweep's own test rows):
+
+* ``row``: a row index in two roles -- refused at once (LeakageError, whatever ``raise_on_leakage``
+  says), like spacr's "index in train and validation".
+* ``tile``: a tile key (row identity, e.g. ``sample_id``, or a composite key given as a tuple of
+  arrays, so equal tile ids in different slides are different tiles) in two roles.
+* ``<level>``: a protected group id (slide / case / patient, names configurable) in two roles.
+* ``ood_centre``: a confounder of an unseen-confounder test set that appears among the train,
+  val or in-domain test rows of the outcome (codes must share the ``confounders`` id space).
+* ``<level>`` / ``tile`` against each extra test set: a group (or tile) of the test set that also
+  appears in train, val or in-domain test.
+
+Across the sweep: ``test_set_drift`` (in-domain test membership differs between splits of one
+replicate), ``replicate_seeds`` (a replicate with two seeds, or two replicates sharing one) and
+``conflicting_labels`` (one tile key carrying two classes; several classes in one slide are fine).
+
+Identity values must be present: a missing (None/NaN) or blank id is refused with ``ValueError``
+naming the level and the rows (spec rule 10, require_identity on). Every check is vectorised
+(factorised integer codes, boolean presence vectors per role); there is no per-row Python loop.
+
+The report is a JSON-serialisable dict; ``passed`` is ``True`` only when at least one outcome was
+audited and nothing critical was found -- never vacuously.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+__all__ = [
+    "AUDIT_SCHEMA_VERSION",
+    "CONTENT_DTYPE",
+    "LeakageError",
+    "audit_content",
+    "audit_sweep",
+    "combine_leakage",
+]
+
+#: Version of the audit report layout (``report["schema_version"]``).
+AUDIT_SCHEMA_VERSION = 1
+
+#: Role names of a sweep outcome's row sets, in report order.
+ROLES = ("train", "val", "in_domain")
+
+#: How many example ids / rows a breach lists; counts are always exact.
+MAX_EXAMPLE_IDS = 10
+MAX_EXAMPLE_ROWS = 20
+
+_RESERVED_LEVELS = frozenset({"row", "tile", "ood_centre", "test_set_drift", "replicate_seeds",
+                              "conflicting_labels"})
+
+
+class LeakageError(ValueError):
+    """A realised split leaks identities between roles.
+
+    ``breaches`` holds one dict per breach: ``level`` (the critical name), ``replicate``,
+    ``split``, ``roles``, ``n_ids``, ``ids`` (first 10), ``n_rows``, ``rows`` (first 20).
+    ``report`` holds the full audit report when one was built.
+    """
+
+    def __init__(self, message: str, breaches: list[dict], report: dict | None = None):
+        super().__init__(message)
+        self.breaches = breaches
+        self.report = report
+
+
+# ---------------------------------------------------------------------------------------------
+# identities
+
+
+@dataclass(frozen=True)
+class _Level:
+    name: str
+    codes: np.ndarray  # int64 (n_total,), codes over the in-domain rows then each test set
+    uniques: list  # JSON-safe id per code
+    n_groups: int
+
+
+def _py(v: Any) -> Any:
+    """JSON-safe scalar."""
+    if isinstance(v, tuple):
+        return [_py(x) for x in v]
+    if isinstance(v, np.generic):
+        return v.item()
+    return v
+
+
+def _check_ids(values, n: int, *, level: str, where: str) -> np.ndarray:
+    arr = np.asarray(values, dtype=object) if not isinstance(values, np.ndarray) else values
+    if arr.ndim != 1 or arr.shape[0] != n:
+        raise ValueError(
+            f"{where}: identity '{level}' must be a 1-D array with one id per row ({n}), "
+            f"got shape {np.shape(values)}"
+        )
+    ser = pd.Series(arr, copy=False)
+    missing = np.array(ser.isna().to_numpy(), dtype=bool)
+    if ser.dtype == object or pd.api.types.is_string_dtype(ser.dtype):
+        blank = ser.astype("string").str.strip().eq("").fillna(True).to_numpy(dtype=bool)
+        missing = missing | blank
+    if missing.any():
+        rows = np.flatnonzero(missing)
+        raise ValueError(
+            f"{where}: identity '{level}' is missing or blank at rows {rows[:MAX_EXAMPLE_ROWS].tolist()}"
+            f" ({rows.size} in all); every row needs a verifiable {level} id "
+            f"(unverifiable_{level})"
+        )
+    return arr
+
+
+def _factorize_key(parts: Sequence[np.ndarray]) -> tuple[np.ndarray, list]:
+    """Codes and JSON-safe uniques for a (possibly composite) key over concatenated rows."""
+    if len(parts) == 1:
+        codes, uniques = pd.factorize(pd.Series(parts[0], copy=False), sort=False)
+        return codes.astype(np.int64), [_py(u) for u in uniques]
+    comp_codes = []
+    comp_uniques = []
+    for p in parts:
+        c, u = pd.factorize(pd.Series(p, copy=False), sort=False)
+        comp_codes.append(c.astype(np.int64))
+        comp_uniques.append(list(u))
+    stacked = np.stack(comp_codes, axis=1)
+    uniq_rows, inv = np.unique(stacked, axis=0, return_inverse=True)
+    uniques = [[_py(comp_uniques[j][r[j]]) for j in range(len(parts))] for r in uniq_rows]
+    return inv.reshape(-1).astype(np.int64), uniques
+
+
+def _as_parts(key) -> list:
+    if isinstance(key, (tuple, list)) and len(key) > 0 and np.ndim(key[0]) == 1:
+        return list(key)
+    return [key]
+
+
+def _build_levels(
+    n_rows: int,
+    groups: Mapping[str, Any],
+    tile_ids,
+    test_sizes: Mapping[str, int],
+    test_set_groups: Mapping[str, Mapping[str, Any]] | None,
+) -> tuple[dict[str, _Level], dict[str, list[str]]]:
+    """Factorise every level jointly over in-domain rows and the test sets that carry it."""
+    levels: dict[str, _Level] = {}
+    checked: dict[str, list[str]] = {name: [] for name in test_sizes}
+    names = ["tile", *groups]
+    for name in names:
+        if name != "tile" and name in _RESERVED_LEVELS:
+            raise ValueError(f"group level name '{name}' is reserved; choose another (e.g. 'slide')")
+        key = tile_ids if name == "tile" else groups[name]
+        parts = [
+            _check_ids(p, n_rows, level=name, where="embeddings") for p in _as_parts(key)
+        ]
+        joined = [list(parts)]
+        for ts, size in test_sizes.items():
+            tg = (test_set_groups or {}).get(ts)
+            if tg is None:
+                continue
+            if name not in tg:
+                if name == "tile":
+                    continue
+                raise ValueError(
+                    f"test set '{ts}': test_set_groups lacks the protected level '{name}' "
+                    f"(unverifiable_{name}); give ids for every level in groups"
+                )
+            tparts = [_check_ids(p, size, level=name, where=f"test set '{ts}'") for p in _as_parts(tg[name])]
+            if len(tparts) != len(parts):
+                raise ValueError(
+                    f"test set '{ts}': level '{name}' has a {len(tparts)}-part key, the embeddings a "
+                    f"{len(parts)}-part key"
+                )
+            joined.append(tparts)
+            checked[ts].append(name)
+        if len(joined) == 1:
+            concat = parts
+        else:
+            concat = [np.concatenate([np.asarray(j[c], dtype=object) for j in joined])
+                      for c in range(len(parts))]
+        codes, uniques = _factorize_key(concat)
+        levels[name] = _Level(name, codes, uniques, len(uniques))
+    return levels, checked
+
+
+# ---------------------------------------------------------------------------------------------
+# audit
+
+
+def _presence(codes: np.ndarray, n_groups: int) -> np.ndarray:
+    out = np.zeros(n_groups, dtype=bool)
+    out[codes] = True
+    return out
+
+
+def _breach(level, replicate, split, roles, ids_mask, level_obj, rows, extra=None) -> dict:
+    ids = np.flatnonzero(ids_mask)
+    rows = np.unique(rows)
+    d = {
+        "level": level,
+        "replicate": replicate,
+        "split": split,
+        "roles": list(roles),
+        "n_ids": int(ids.size),
+        "ids": [level_obj.uniques[i] for i in ids[:MAX_EXAMPLE_IDS]],
+        "n_rows": int(rows.size),
+        "rows": rows[:MAX_EXAMPLE_ROWS].tolist(),
+    }
+    if extra:
+        d.update(extra)
+    return d
+
+
+def _check_rows(rows, n_rows: int, *, role: str, replicate, split) -> np.ndarray:
+    r = np.asarray(rows)
+    if r.ndim != 1 or (r.size and not np.issubdtype(r.dtype, np.integer)):
+        raise ValueError(
+            f"replicate {replicate}, split {split}: {role} rows must be a 1-D integer index array, "
+            f"got shape {r.shape} dtype {r.dtype}"
+        )
+    r = r.astype(np.int64, copy=False)
+    bad = np.flatnonzero((r < 0) | (r >= n_rows))
+    if bad.size:
+        raise ValueError(
+            f"replicate {replicate}, split {split}: {role} rows {r[bad[:MAX_EXAMPLE_ROWS]].tolist()} "
+            f"lie outside the {n_rows} embedding rows"
+        )
+    return r
+
+
+def _format_breach(b: dict) -> str:
+    where = f"replicate {b['replicate']}, split {b['split']}: " if b.get("replicate") is not None else ""
+    roles = " / ".join(b["roles"])
+    return (
+        f"{where}{b['level']} leaks across {roles}: {b['n_ids']} id(s) {b['ids']}"
+        f"{' ...' if b['n_ids'] > len(b['ids']) else ''} at {b['n_rows']} row(s) {b['rows']}"
+        f"{' ...' if b['n_rows'] > len(b['rows']) else ''}"
+    )
+
+
+def _error_message(breaches: list[dict]) -> str:
+    levels = sorted({b["level"] for b in breaches})
+    head = f"leakage audit failed ({len(breaches)} breach(es); critical levels: {', '.join(levels)})"
+    lines = [_format_breach(b) for b in breaches[:10]]
+    more = [f"... and {len(breaches) - 10} more"] if len(breaches) > 10 else []
+    fix = ("fix: keep every protected group and tile inside one role (split by group, duplicate "
+           "or resample rows only inside a role)")
+    return "\n".join([head, *lines, *more, fix])
+
+
+def audit_sweep(
+    outcomes: Sequence[Any],
+    *,
+    n_rows: int,
+    groups: Mapping[str, Any],
+    tile_ids,
+    labels=None,
+    confounders=None,
+    test_set_sizes: Mapping[str, int] | None = None,
+    test_set_groups: Mapping[str, Mapping[str, Any]] | None = None,
+    test_set_confounders: Mapping[str, Any] | None = None,
+    raise_on_leakage: bool = True,
+) -> dict:
+    """Audit every (replicate, split) outcome of a sweep; return a JSON-serialisable report.
+
+    Parameters
+    ----------
+    outcomes : sequence of objects with ``replicate, split, seed, train_rows, val_rows,
+        test_rows`` (C's ``ProbeOutcome``); row arrays are int indices into the embeddings.
+    n_rows : number of embedding rows.
+    groups : ``{level: ids (n_rows,)}`` protected group ids (e.g. ``{"slide": ..., "patient": ...}``).
+    tile_ids : ids (n_rows,) or a tuple of such arrays forming a composite key.
+    labels : optional class per row; enables ``conflicting_labels``.
+    confounders : optional confounder code per row; needed for ``ood_centre``.
+    test_set_sizes : ``{name: n}`` row count of each extra test set.
+    test_set_groups : ``{name: {level: ids (n,)}}``; must cover every level of ``groups``
+        ("tile" optional). A test set without an entry is recorded as not group-audited.
+    test_set_confounders : ``{name: codes (n,)}`` in the ``confounders`` code space; a code seen
+        in train / val / in-domain test is critical ``ood_centre``.
+    raise_on_leakage : raise :class:`LeakageError` (carrying the report) on any critical breach.
+
+    Raises
+    ------
+    LeakageError
+        A row index in two roles (always), or any critical breach with ``raise_on_leakage``.
+    ValueError
+        No outcomes; malformed / missing / blank identities (rows named); row indices out of
+        range; inconsistent test-set inputs.
+    """
+    outcomes = list(outcomes)
+    if not outcomes:
+        raise ValueError("no sweep outcomes to audit; an empty audit never passes")
+    n_rows = int(n_rows)
+    if not isinstance(groups, Mapping) or not groups:
+        raise ValueError("groups must map at least one protected level name (e.g. 'slide') to ids")
+    test_set_sizes = dict(test_set_sizes or {})
+    for extra, what in ((test_set_groups, "test_set_groups"), (test_set_confounders, "test_set_confounders")):
+        unknown = sorted(set(extra or {}) - set(test_set_sizes))
+        if unknown:
+            raise ValueError(f"{what} names test set(s) {unknown} that are not among {sorted(test_set_sizes)}")
+
+    levels, ts_levels = _build_levels(n_rows, groups, tile_ids, test_set_sizes, test_set_groups)
+    # offsets of each test set in the jointly factorised code arrays
+    offsets: dict[str, int] = {}
+    off = n_rows
+    for ts, size in test_set_sizes.items():
+        if (test_set_groups or {}).get(ts) is not None:
+            offsets[ts] = off
+            off += size
+
+    breaches: list[dict] = []
+    warnings: list[str] = []
+    checks = ["row", "tile", *groups]
+
+    # conflicting labels: one tile key with two classes (over every in-domain row)
+    if labels is not None:
+        checks.append("conflicting_labels")
+        lab = np.asarray(labels)
+        if lab.shape != (n_rows,):
+            raise ValueError(f"labels must have shape ({n_rows},), got {lab.shape}")
+        tcodes = levels["tile"].codes[:n_rows]
+        lab_codes, lab_uniques = pd.factorize(pd.Series(lab), sort=True)
+        task_classes = np.arange(len(lab_uniques))
+        task_class_values = [_py(u) for u in lab_uniques]
+        pairs = np.unique(np.stack([tcodes, lab_codes], axis=1), axis=0)
+        multi = np.bincount(pairs[:, 0], minlength=levels["tile"].n_groups) > 1
+        if multi.any():
+            rows = np.flatnonzero(multi[tcodes])
+            breaches.append(_breach("conflicting_labels", None, None, ("labels",), multi, levels["tile"], rows))
+
+    conf = None
+    if test_set_confounders:
+        if confounders is None:
+            raise ValueError("test_set_confounders needs the in-domain confounders to compare against")
+        conf = pd.Series(np.asarray(confounders))
+        if conf.shape != (n_rows,):
+            raise ValueError(f"confounders must have shape ({n_rows},), got {conf.shape}")
+        checks.append("ood_centre")
+        ts_conf_codes = {}
+        for ts, vals in test_set_confounders.items():
+            v = np.asarray(vals)
+            if v.shape != (test_set_sizes[ts],):
+                raise ValueError(
+                    f"test set '{ts}': confounders must have one entry per row ({test_set_sizes[ts]}), "
+                    f"got shape {v.shape}"
+                )
+            ts_conf_codes[ts] = v
+        # joint coding of confounder values
+        all_conf = np.concatenate([conf.to_numpy(dtype=object)] +
+                                  [np.asarray(v, dtype=object) for v in ts_conf_codes.values()])
+        cc, cu = pd.factorize(pd.Series(all_conf))
+        conf_level = _Level("ood_centre", cc.astype(np.int64), [_py(u) for u in cu], len(cu))
+        conf_off = {}
+        o = n_rows
+        for ts, v in ts_conf_codes.items():
+            conf_off[ts] = (o, o + v.shape[0])
+            o += v.shape[0]
+
+    for ts in test_set_sizes:
+        if ts not in offsets:
+            warnings.append(f"test set '{ts}': no group ids given, so its groups were not audited")
+
+    per_outcome = []
+    seeds_by_rep: dict[Any, set] = {}
+    test_ref: dict[Any, tuple[Any, np.ndarray]] = {}
+    checks.append("test_set_drift")
+    for oc in outcomes:
+        r, s = oc.replicate, oc.split
+        r_py, s_py = _py(r), _py(s)
+        rows = {
+            "train": _check_rows(oc.train_rows, n_rows, role="train", replicate=r_py, split=s_py),
+            "val": _check_rows(oc.val_rows, n_rows, role="val", replicate=r_py, split=s_py),
+            "in_domain": _check_rows(oc.test_rows, n_rows, role="in_domain", replicate=r_py, split=s_py),
+        }
+        seeds_by_rep.setdefault(r_py, set()).add(_py(getattr(oc, "seed", None)))
+        # rule 1: a row index in two roles -> refused at once
+        role_of = np.full(n_rows, -1, dtype=np.int64)
+        row_breaches = []
+        for k, role in enumerate(ROLES):
+            rr = np.unique(rows[role])
+            clash = rr[role_of[rr] >= 0]
+            if clash.size:
+                other = sorted({ROLES[i] for i in role_of[clash]})
+                row_breaches.append({
+                    "level": "row", "replicate": r_py, "split": s_py, "roles": [*other, role],
+                    "n_ids": int(clash.size), "ids": clash[:MAX_EXAMPLE_IDS].tolist(),
+                    "n_rows": int(clash.size), "rows": clash[:MAX_EXAMPLE_ROWS].tolist(),
+                })
+            role_of[rr[role_of[rr] < 0]] = k
+        if row_breaches:
+            raise LeakageError(_error_message(row_breaches), row_breaches)
+
+        overlaps: dict[str, int] = {}
+        for name, lvl in levels.items():
+            pres = {role: _presence(lvl.codes[rows[role]], lvl.n_groups) for role in ROLES}
+            any_hit = np.zeros(lvl.n_groups, dtype=bool)
+            for i in range(len(ROLES)):
+                for j in range(i + 1, len(ROLES)):
+                    a, b = ROLES[i], ROLES[j]
+                    hit = pres[a] & pres[b]
+                    if hit.any():
+                        both = np.concatenate([rows[a], rows[b]])
+                        both = both[hit[lvl.codes[both]]]
+                        breaches.append(_breach(name, r_py, s_py, (a, b), hit, lvl, both))
+                        any_hit |= hit
+            # extra test sets against every in-domain role
+            used = pres["train"] | pres["val"] | pres["in_domain"]
+            for ts, o in offsets.items():
+                if name not in ts_levels[ts]:
+                    continue
+                tcodes = lvl.codes[o:o + test_set_sizes[ts]]
+                hit = _presence(tcodes, lvl.n_groups) & used
+                if hit.any():
+                    in_rows = np.concatenate([rows[k] for k in ROLES])
+                    in_rows = np.unique(in_rows[hit[lvl.codes[in_rows]]])
+                    trows = np.flatnonzero(hit[tcodes])
+                    roles_hit = [k for k in ROLES if (pres[k] & hit).any()]
+                    breaches.append(_breach(name, r_py, s_py, (*roles_hit, ts), hit, lvl, in_rows,
+                                            extra={"test_set_rows": trows[:MAX_EXAMPLE_ROWS].tolist(),
+                                                   "n_test_set_rows": int(trows.size)}))
+                    any_hit |= hit
+            overlaps[name] = int(any_hit.sum())
+
+        if conf is not None:
+            seen_rows = np.concatenate([rows[k] for k in ROLES])
+            seen = _presence(conf_level.codes[seen_rows], conf_level.n_groups)
+            n_hit = 0
+            for ts, (a, b) in conf_off.items():
+                tcodes = conf_level.codes[a:b]
+                hit = _presence(tcodes, conf_level.n_groups) & seen
+                if hit.any():
+                    trows = np.flatnonzero(hit[tcodes])
+                    in_rows = seen_rows[hit[conf_level.codes[seen_rows]]]
+                    roles_hit = [k for k in ROLES if hit[conf_level.codes[rows[k]]].any()]
+                    breaches.append(_breach("ood_centre", r_py, s_py, (*roles_hit, ts), hit, conf_level,
+                                            in_rows, extra={"test_set_rows": trows[:MAX_EXAMPLE_ROWS].tolist(),
+                                                            "n_test_set_rows": int(trows.size)}))
+                    n_hit += int(hit.sum())
+            overlaps["ood_centre"] = n_hit
+
+        # rule 11: in-domain test membership identical across the splits of a replicate
+        test_sorted = np.unique(rows["in_domain"])
+        if r_py not in test_ref:
+            test_ref[r_py] = (s_py, test_sorted)
+        else:
+            s0, ref = test_ref[r_py]
+            if ref.shape != test_sorted.shape or not np.array_equal(ref, test_sorted):
+                added = np.setdiff1d(test_sorted, ref)
+                removed = np.setdiff1d(ref, test_sorted)
+                changed = np.concatenate([added, removed])
+                breaches.append({
+                    "level": "test_set_drift", "replicate": r_py, "split": s_py,
+                    "roles": [f"in_domain@split {s0}", f"in_domain@split {s_py}"],
+                    "n_ids": int(changed.size), "ids": changed[:MAX_EXAMPLE_IDS].tolist(),
+                    "n_rows": int(changed.size), "rows": changed[:MAX_EXAMPLE_ROWS].tolist(),
+                    "n_added": int(added.size), "n_removed": int(removed.size),
+                })
+
+        # warnings only (never critical here): duplicated tile rows inside one role, and a role
+        # that lacks a class of the task
+        tile_lvl = levels["tile"]
+        dup_within = {}
+        for role in ROLES:
+            counts = np.bincount(tile_lvl.codes[rows[role]], minlength=tile_lvl.n_groups)
+            dup_within[role] = int((counts > 1).sum())
+            if dup_within[role]:
+                warnings.append(f"replicate {r_py}, split {s_py}: {dup_within[role]} tile key(s) "
+                                f"repeated inside {role} (allowed inside one role)")
+        missing_cls = {}
+        if labels is not None:
+            for role in ROLES:
+                absent = np.setdiff1d(task_classes, lab_codes[rows[role]])
+                if absent.size:
+                    missing_cls[role] = [task_class_values[i] for i in absent.tolist()]
+                    warnings.append(f"replicate {r_py}, split {s_py}: {role} lacks class(es) "
+                                    f"{missing_cls[role]}")
+        per_outcome.append({
+            "replicate": r_py, "split": s_py, "seed": _py(getattr(oc, "seed", None)),
+            "n_train": int(rows["train"].size), "n_val": int(rows["val"].size),
+            "n_in_domain": int(rows["in_domain"].size), "overlap_counts": overlaps,
+            "duplicate_tiles_within_role": dup_within, "missing_classes": missing_cls,
+        })
+
+    # rule 12: one seed per replicate, distinct across replicates
+    checks.append("replicate_seeds")
+    multi_seed = {r: sorted(map(str, s)) for r, s in seeds_by_rep.items() if len(s) > 1}
+    if multi_seed:
+        breaches.append({"level": "replicate_seeds", "replicate": None, "split": None,
+                         "roles": ["replicate"], "n_ids": len(multi_seed),
+                         "ids": [[r, s] for r, s in list(multi_seed.items())[:MAX_EXAMPLE_IDS]],
+                         "n_rows": 0, "rows": []})
+    single = [(r, next(iter(s))) for r, s in seeds_by_rep.items() if len(s) == 1]
+    seed_vals = pd.Series([s for _, s in single], dtype=object)
+    dup = seed_vals[seed_vals.duplicated(keep=False) & seed_vals.notna()]
+    if len(dup):
+        breaches.append({"level": "replicate_seeds", "replicate": None, "split": None,
+                         "roles": ["replicate"], "n_ids": int(dup.nunique()),
+                         "ids": sorted({_py(v) for v in dup})[:MAX_EXAMPLE_IDS],
+                         "n_rows": 0, "rows": []})
+
+    critical = sorted({b["level"] for b in breaches})
+    report = {
+        "schema_version": AUDIT_SCHEMA_VERSION,
+        "passed": not breaches,
+        "checks": checks,
+        "levels": list(levels),
+        "protected_levels": list(groups),
+        "n_rows": n_rows,
+        "n_outcomes": len(outcomes),
+        "replicates": sorted(seeds_by_rep, key=lambda x: (str(type(x)), x)),
+        "test_sets": {
+            ts: {
+                "n_rows": int(test_set_sizes[ts]),
+                "levels_checked": ts_levels[ts],
+                "confounders_checked": bool(test_set_confounders and ts in test_set_confounders),
+            }
+            for ts in test_set_sizes
+        },
+        "critical": critical,
+        "breaches": breaches,
+        "warnings": warnings,
+        "per_outcome": per_outcome,
+    }
+    if breaches and raise_on_leakage:
+        raise LeakageError(_error_message(breaches), breaches, report)
+    return report
+
+
+# ---------------------------------------------------------------------------------------------
+# content audit (rule 3): identical embedding bytes in two roles
+
+#: Fixed dtype and byte order the content of an embedding row is compared / hashed in. Every
+#: float32 value is exactly representable in float64, so two rows are equal here exactly when
+#: their float32 (or float64) values are equal bit for bit after the exact upcast.
+CONTENT_DTYPE = np.dtype("<f8")
+
+_CONTENT_SEVERITIES = ("critical", "warning")
+
+
+def _row_content_codes(blocks: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Content code per row over the stacked blocks, and the stacked canonical rows.
+
+    Rows are cast to :data:`CONTENT_DTYPE` (C order) and viewed as one opaque ``void`` item per
+    row; ``np.unique`` on that view groups byte-identical rows without any per-row Python work.
+    """
+    stacked = np.ascontiguousarray(np.concatenate([np.asarray(b) for b in blocks], axis=0),
+                                   dtype=CONTENT_DTYPE)
+    if stacked.ndim != 2:
+        raise ValueError(f"embeddings must be 2-D, got shape {stacked.shape}")
+    width = stacked.shape[1] * CONTENT_DTYPE.itemsize
+    if stacked.shape[0] == 0 or width == 0:
+        return np.zeros(stacked.shape[0], np.int64), stacked
+    void = stacked.view(np.dtype((np.void, width))).reshape(-1)
+    _, inverse = np.unique(void, return_inverse=True)
+    return inverse.reshape(-1).astype(np.int64), stacked
+
+
+def _row_sha256(row: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(row, dtype=CONTENT_DTYPE).tobytes()).hexdigest()
+
+
+def audit_content(
+    embeddings,
+    jobs: Sequence[Any],
+    *,
+    test_sets: Mapping[str, Any] | None = None,
+    severity: str = "critical",
+) -> dict:
+    """Find byte-identical embedding rows in two roles of any (replicate, split) (spec C.3 rule 3).
+
+    Parameters
+    ----------
+    embeddings : array (n_rows, D) -- the in-domain rows the jobs index.
+    jobs : objects with ``replicate, split, train_rows, val_rows, test_rows`` (roles ``train``,
+        ``val``, ``test_id``).
+    test_sets : ``{name: X (n, D)}`` (or ``(X, y)`` pairs); every row of a test set is in role
+        ``name`` (a ``test_ood`` role) for every job.
+    severity : ``"critical"`` (default) or ``"warning"``. ``"warning"`` is the explicit
+        relaxation: overlaps are reported under ``lowered_breaches`` and ``passed`` stays True;
+        the report records the setting.
+
+    Returns
+    -------
+    dict, JSON-safe: ``check = "content"``, ``severity``, ``dtype``, ``n_rows``,
+    ``n_distinct_rows``, ``passed``, ``critical`` (``["content"]`` or ``[]``), ``breaches``
+    (level ``content``: replicate, split, roles, n_ids, ids = sha256 hex of the shared row
+    contents (first 10), n_rows, rows (first 20 in-domain rows; test-set rows under
+    ``test_set_rows``)), ``lowered_breaches``, ``warnings``, ``per_outcome``.
+
+    Identical rows inside one role are only counted (``duplicate_rows_within_role``).
+
+    Raises
+    ------
+    ValueError
+        Unknown severity; no jobs; a test set whose width differs from the embeddings.
+    """
+    if severity not in _CONTENT_SEVERITIES:
+        raise ValueError(f"content audit severity must be one of {_CONTENT_SEVERITIES}, got {severity!r}")
+    jobs = list(jobs)
+    if not jobs:
+        raise ValueError("no jobs to audit; an empty content audit never passes")
+    x = np.asarray(embeddings)
+    if x.ndim != 2:
+        raise ValueError(f"embeddings must be 2-D, got shape {x.shape}")
+    n_rows = x.shape[0]
+    names, blocks = [], [x]
+    for name, value in (test_sets or {}).items():
+        tx = np.asarray(value[0] if isinstance(value, tuple) else value)
+        if tx.ndim != 2 or tx.shape[1] != x.shape[1]:
+            raise ValueError(f"test set '{name}': shape {tx.shape} does not match the embeddings' "
+                             f"{x.shape[1]} features")
+        names.append(name)
+        blocks.append(tx)
+    codes, stacked = _row_content_codes(blocks)
+    n_codes = int(codes.max()) + 1 if codes.size else 0
+    multiplicity = np.bincount(codes, minlength=n_codes)
+    dup_code = multiplicity > 1  # only contents held by >= 2 rows can cross roles
+    order = np.argsort(codes, kind="stable")
+    starts = np.flatnonzero(np.r_[True, np.diff(codes[order]) != 0]) if codes.size else order
+    first_row = order[starts]  # first row holding each content code (codes are 0..n_codes-1)
+    offsets, o = {}, n_rows
+    for name, b in zip(names, blocks[1:]):
+        offsets[name] = (o, o + b.shape[0])
+        o += b.shape[0]
+    ts_present = {name: _presence(codes[a:b], n_codes) & dup_code for name, (a, b) in offsets.items()}
+
+    found: list[dict] = []
+    warnings: list[str] = []
+    per_outcome = []
+    for job in jobs:
+        r, s = _py(job.replicate), _py(job.split)
+        roles = {
+            "train": np.asarray(job.train_rows, np.int64),
+            "val": np.asarray(job.val_rows, np.int64),
+            "test_id": np.asarray(job.test_rows, np.int64),
+        }
+        pres = {k: _presence(codes[v], n_codes) & dup_code for k, v in roles.items()}
+        within = {}
+        for k, v in roles.items():
+            c = codes[v]
+            c = c[dup_code[c]]
+            cnt = np.bincount(c, minlength=n_codes)
+            within[k] = int((cnt > 1).sum())
+        pres.update(ts_present)
+        role_names = list(pres)
+        any_hit = np.zeros(n_codes, dtype=bool)
+        for i in range(len(role_names)):
+            for j in range(i + 1, len(role_names)):
+                a, b = role_names[i], role_names[j]
+                if a in offsets and b in offsets:
+                    continue  # two fixed test sets: not a property of this split
+                hit = pres[a] & pres[b]
+                if not hit.any():
+                    continue
+                any_hit |= hit
+                ids = np.flatnonzero(hit)
+                in_rows = np.concatenate([roles[k] for k in (a, b) if k in roles])
+                in_rows = np.unique(in_rows[hit[codes[in_rows]]])
+                d = {
+                    "level": "content", "replicate": r, "split": s, "roles": [a, b],
+                    "n_ids": int(ids.size),
+                    "ids": [_row_sha256(stacked[first_row[c]]) for c in ids[:MAX_EXAMPLE_IDS]],
+                    "n_rows": int(in_rows.size), "rows": in_rows[:MAX_EXAMPLE_ROWS].tolist(),
+                }
+                if b in offsets:
+                    lo, hi = offsets[b]
+                    trows = np.flatnonzero(hit[codes[lo:hi]])
+                    d["test_set_rows"] = trows[:MAX_EXAMPLE_ROWS].tolist()
+                    d["n_test_set_rows"] = int(trows.size)
+                found.append(d)
+        per_outcome.append({"replicate": r, "split": s, "overlap_count": int(any_hit.sum()),
+                            "duplicate_rows_within_role": within})
+    if severity == "warning":
+        breaches, lowered = [], found
+        warnings.append("content audit lowered to a warning by an explicit setting "
+                        "(content_audit='warning')")
+        if found:
+            warnings.append(f"{len(found)} content overlap(s) between roles, reported but not critical")
+    else:
+        breaches, lowered = found, []
+    dup_total = int(dup_code.sum())
+    if dup_total:
+        warnings.append(f"{dup_total} embedding content(s) are shared by more than one row")
+    return {
+        "schema_version": AUDIT_SCHEMA_VERSION,
+        "check": "content",
+        "severity": severity,
+        "dtype": CONTENT_DTYPE.str,
+        "n_rows": int(n_rows),
+        "test_sets": {name: int(b - a) for name, (a, b) in offsets.items()},
+        "n_distinct_rows": n_codes,
+        "passed": not breaches,
+        "critical": ["content"] if breaches else [],
+        "breaches": breaches,
+        "lowered_breaches": lowered,
+        "warnings": warnings,
+        "per_outcome": per_outcome,
+    }
+
+
+def combine_leakage(plan_audit: dict | None, content_audit: dict | None) -> dict:
+    """The leakage record of a bundle: plan audit + this encoder's content audit.
+
+    ``passed`` is True only when both audits ran and passed; False when either failed; None
+    (with ``"not_audited"`` in ``critical`` and the missing parts named) when either did not
+    run. It is never vacuously true.
+    """
+    missing = [name for name, a in (("plan", plan_audit), ("content", content_audit)) if a is None]
+    critical = []
+    for a in (plan_audit, content_audit):
+        if a is not None:
+            critical.extend(a.get("critical", []))
+    if missing:
+        critical.append("not_audited")
+    failed = any(a is not None and a.get("passed") is not True for a in (plan_audit, content_audit))
+    passed = False if failed else (None if missing else True)
+    return {
+        "schema_version": AUDIT_SCHEMA_VERSION,
+        "passed": passed,
+        "critical": sorted(set(critical)),
+        "not_audited": missing,
+        "plan": plan_audit,
+        "content": content_audit,
+    }

@@ -1,0 +1,327 @@
+"""The results store: one folder, one immutable record per work-unit fingerprint.
+
+::
+
+    STORE/
+      store.json                              # {"format": "cachescore.results", "version": 1}
+      units/<fp[:2]>/<fp>.json                # envelope: record + pointer to per-unit table
+      units/<fp[:2]>/.<fp>.<uuid>.parquet     # per-unit values (written first, hidden name)
+      failures/<fp[:2]>/<fp>.json             # last failure of a unit (superseded by a success)
+      runs/<run_id>/provenance.json           # versions, params, recall audit, ...
+      runs/<run_id>/                          # + the Dask performance report HTML
+
+Publication protocol of :meth:`ResultsStore.write_unit`: the per-unit Parquet is written under a
+unique name (atomic), then the envelope JSON, naming that file and its sha256, is written to a
+``.partial`` sibling and renamed to ``<fp>.json``. The key exists only after that rename, so a crash
+at any point leaves either no record or a complete one. Readers accept an envelope only if it
+parses, has this code's version, names its own fingerprint and its per-unit file exists with the
+recorded size (and, when read, checksum); anything else is ignored and the unit is recomputed.
+Different processes may write different (or even the same) units concurrently: every file they
+create has a unique name until the final atomic rename.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import re
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .atomic import atomic_write, atomic_write_json, sweep_partials
+from .fingerprint import canonical
+from .schema import FAILURES_SCHEMA, RECORD_VERSION, SCORES_SCHEMA, failure_to_row, record_to_row, rows_to_frame, utc_now
+
+__all__ = ["ResultsStore", "StoreError", "CorruptRecordError"]
+
+_FP = re.compile(r"^[0-9a-f]{16,128}$")
+_RUN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:+=@-]*$")
+_STORE_META = {"format": "cachescore.results", "version": RECORD_VERSION}
+
+
+class StoreError(ValueError):
+    """The results store folder is not a results store, or an argument is invalid."""
+
+
+class CorruptRecordError(KeyError):
+    """A stored unit exists but its per-unit table does not match its envelope (recompute it)."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+def _jsonable(obj):
+    """Plain JSON data for a record: like :func:`canonical`, but NaN -> null and ±inf -> "inf"/"-inf"."""
+    if isinstance(obj, (float, np.floating)):
+        v = float(obj)
+        if math.isnan(v):
+            return None
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        return v
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return _jsonable(obj.tolist())
+    if isinstance(obj, (pd.Timestamp,)):
+        return obj.isoformat()
+    return canonical(obj)
+
+
+class ResultsStore:
+    """A results store folder (created if missing). See the module docstring for the layout.
+
+    Parameters
+    ----------
+    path : str or Path
+        The store folder. An existing non-empty folder must carry this store's ``store.json``.
+    """
+
+    def __init__(self, path):
+        self.path = Path(path)
+        marker = self.path / "store.json"
+        if self.path.exists() and not self.path.is_dir():
+            raise StoreError(f"results store path {self.path} exists and is not a folder")
+        self.path.mkdir(parents=True, exist_ok=True)
+        if marker.is_file():
+            try:
+                meta = json.loads(marker.read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError) as exc:
+                raise StoreError(f"{marker} is not valid JSON: {exc}") from exc
+            if meta.get("format") != _STORE_META["format"]:
+                raise StoreError(f"{self.path} is not a cachescore results store ({marker} says {meta!r})")
+            if meta.get("version") != RECORD_VERSION:
+                raise StoreError(f"{self.path}: store version {meta.get('version')!r} is not supported "
+                                 f"(this cachescore writes version {RECORD_VERSION}); use a new store folder")
+        else:
+            if any(p.name not in ("units", "failures", "runs") and not p.name.startswith(".") for p in self.path.iterdir()):
+                raise StoreError(f"{self.path} is not empty and has no store.json: refusing to use it as a results store")
+            try:
+                atomic_write_json(marker, _STORE_META, overwrite=False)
+            except FileExistsError:
+                pass  # another process created it meanwhile
+
+    def __repr__(self) -> str:
+        return f"ResultsStore({str(self.path)!r})"
+
+    # -- paths --------------------------------------------------------------------------------
+    @staticmethod
+    def _check_fp(fp) -> str:
+        if not isinstance(fp, str) or not _FP.match(fp):
+            raise StoreError(f"fingerprint must be 16-128 lowercase hex characters, got {fp!r}")
+        return fp
+
+    def _unit_json(self, fp: str) -> Path:
+        return self.path / "units" / fp[:2] / f"{fp}.json"
+
+    def _failure_json(self, fp: str) -> Path:
+        return self.path / "failures" / fp[:2] / f"{fp}.json"
+
+    # -- reading ------------------------------------------------------------------------------
+    def _envelope(self, fp: str) -> dict | None:
+        """The unit's envelope if it is complete and trustworthy, else None."""
+        path = self._unit_json(fp)
+        try:
+            env = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            return None
+        if not (isinstance(env, dict) and env.get("version") == RECORD_VERSION and env.get("fingerprint") == fp
+                and isinstance(env.get("record"), dict) and isinstance(env.get("finished_at"), str)):
+            return None
+        pu = env.get("per_unit")
+        if pu is not None:
+            if not (isinstance(pu, dict) and isinstance(pu.get("file"), str) and isinstance(pu.get("sha256"), str)
+                    and isinstance(pu.get("bytes"), int)):
+                return None
+            f = path.parent / pu["file"]
+            if Path(pu["file"]).name != pu["file"] or not f.is_file() or f.stat().st_size != pu["bytes"]:
+                return None
+        try:
+            record_to_row(env["record"], fingerprint=fp, finished_at=env["finished_at"])
+        except (TypeError, ValueError, OverflowError):
+            return None  # does not fit the scores schema
+        return env
+
+    def has(self, fp: str) -> bool:
+        """True iff a complete, well-formed record for ``fp`` is stored (a malformed one counts as absent)."""
+        return self._envelope(self._check_fp(fp)) is not None
+
+    def record(self, fp: str) -> dict | None:
+        """The stored record dict of ``fp`` (as written, JSON types; NaN stored as null), or None."""
+        env = self._envelope(self._check_fp(fp))
+        return None if env is None else env["record"]
+
+    def _complete(self):
+        """``(fp, envelope)`` of every complete record, in fingerprint order."""
+        base = self.path / "units"
+        if not base.is_dir():
+            return
+        found = sorted({p.stem for p in base.glob("*/*.json") if not p.name.startswith(".") and _FP.match(p.stem)})
+        for fp in found:
+            env = self._envelope(fp)
+            if env is not None:
+                yield fp, env
+
+    def fingerprints(self) -> set[str]:
+        """Fingerprints of all complete records."""
+        return {fp for fp, _ in self._complete()}
+
+    def _score_rows(self) -> list[dict]:
+        rows = [record_to_row(env["record"], fingerprint=fp, finished_at=env["finished_at"]) for fp, env in self._complete()]
+        key = lambda r: tuple((r.get(c) is not None, r.get(c) or "") for c in ("encoder", "view", "scope", "metric", "fingerprint"))
+        return sorted(rows, key=key)
+
+    def scores_table(self) -> pa.Table:
+        """:meth:`scores` as a ``pyarrow.Table`` with exactly :data:`~cachescore.store.schema.SCORES_SCHEMA`
+        (e.g. to write a Parquet export)."""
+        return pa.Table.from_pylist(self._score_rows(), schema=SCORES_SCHEMA)
+
+    def scores(self) -> pd.DataFrame:
+        """One row per complete record, with exactly the columns of
+        :data:`cachescore.store.schema.SCORES_SCHEMA` (record keys outside it are in ``extra``,
+        ``params`` is canonical JSON text). Sorted by encoder, view, scope, metric, fingerprint
+        (missing values first). Malformed records are skipped. Dtypes: ``str``, ``float64``
+        (null -> NaN), nullable ``Int64``, ``datetime64[us, UTC]``."""
+        return rows_to_frame(self._score_rows(), SCORES_SCHEMA)
+
+    def per_unit(self, fp: str) -> pd.DataFrame:
+        """The per-unit table stored with ``fp`` (an empty frame if none was stored).
+
+        Raises ``KeyError`` if no complete record exists and :class:`CorruptRecordError` (a
+        ``KeyError``) if the table's checksum differs from the envelope's.
+        """
+        env = self._envelope(self._check_fp(fp))
+        if env is None:
+            raise KeyError(f"no complete record for fingerprint {fp} in {self.path}")
+        pu = env.get("per_unit")
+        if pu is None:
+            return pd.DataFrame()
+        data = (self._unit_json(fp).parent / pu["file"]).read_bytes()
+        if hashlib.sha256(data).hexdigest() != pu["sha256"]:
+            raise CorruptRecordError(f"per-unit table of {fp} in {self.path} does not match its checksum; recompute the unit")
+        return pq.read_table(io.BytesIO(data)).to_pandas()
+
+    def failures(self) -> pd.DataFrame:
+        """Failed units without a later success, with :data:`~cachescore.store.schema.FAILURES_SCHEMA` columns."""
+        base = self.path / "failures"
+        rows = []
+        if base.is_dir():
+            for path in sorted(base.glob("*/*.json")):
+                if path.name.startswith(".") or not _FP.match(path.stem):
+                    continue
+                try:
+                    env = json.loads(path.read_text(encoding="utf-8"))
+                    if env.get("version") != RECORD_VERSION or env.get("fingerprint") != path.stem:
+                        continue
+                    if self.has(path.stem):
+                        continue
+                    rows.append(failure_to_row(env))
+                except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
+                    continue
+        return rows_to_frame(rows, FAILURES_SCHEMA)
+
+    # -- writing ------------------------------------------------------------------------------
+    def write_unit(self, fp: str, *, record: dict, per_unit: pd.DataFrame | None = None) -> None:
+        """Store the result of one unit atomically (see the module docstring).
+
+        ``record`` is a dict of JSON-able values (numpy scalars/arrays accepted; NaN stored as
+        null); the keys of :data:`~cachescore.store.schema.SCORES_SCHEMA` become columns of
+        :meth:`scores`. ``per_unit`` (optional) is stored as Parquet without its index. Rewriting
+        an existing fingerprint replaces it atomically. A stored failure of ``fp`` is removed.
+
+        Raises :class:`StoreError` (bad fingerprint), ``TypeError`` (record not a dict or not
+        JSON-able, per_unit not a DataFrame), ``ValueError`` (record does not fit the schema).
+        """
+        self._check_fp(fp)
+        if not isinstance(record, dict):
+            raise TypeError(f"record must be a dict, got {type(record).__name__}")
+        body = _jsonable(record)
+        finished_at = utc_now()
+        record_to_row(body, fingerprint=fp, finished_at=finished_at)  # schema check before publishing
+        target = self._unit_json(fp)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        pointer = None
+        if per_unit is not None:
+            if not isinstance(per_unit, pd.DataFrame):
+                raise TypeError(f"per_unit must be a pandas DataFrame or None, got {type(per_unit).__name__}")
+            buf = io.BytesIO()
+            pq.write_table(pa.Table.from_pandas(per_unit, preserve_index=False), buf)
+            data = buf.getvalue()
+            name = f".{fp}.{uuid.uuid4().hex}.parquet"
+            atomic_write(target.parent / name, lambda fh: fh.write(data), overwrite=False)
+            pointer = {"file": name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "rows": len(per_unit)}
+        envelope = {"version": RECORD_VERSION, "fingerprint": fp, "finished_at": finished_at,
+                    "record": body, "per_unit": pointer}
+        atomic_write_json(target, envelope, overwrite=True)
+        try:
+            self._failure_json(fp).unlink()
+        except FileNotFoundError:
+            pass
+
+    def record_failure(self, fp: str, *, unit: dict, error: str) -> None:
+        """Record that unit ``fp`` failed with ``error``; a later :meth:`write_unit` supersedes it.
+        A failure never hides an existing success (it is listed only while ``has(fp)`` is False)."""
+        self._check_fp(fp)
+        if not isinstance(unit, dict):
+            raise TypeError(f"unit must be a dict, got {type(unit).__name__}")
+        envelope = {"version": RECORD_VERSION, "fingerprint": fp, "failed_at": utc_now(),
+                    "unit": _jsonable(unit), "error": str(error)}
+        atomic_write_json(self._failure_json(fp), envelope, overwrite=True)
+
+    # -- runs ---------------------------------------------------------------------------------
+    @staticmethod
+    def _check_run(run_id) -> str:
+        if not isinstance(run_id, str) or not _RUN.match(run_id):
+            raise StoreError(f"run_id must be a plain name (letters, digits, '_.:+=@-'), got {run_id!r}")
+        return run_id
+
+    def run_dir(self, run_id: str) -> Path:
+        """``runs/<run_id>/`` (created): where provenance and the Dask performance report go."""
+        path = self.path / "runs" / self._check_run(run_id)
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def write_provenance(self, run_id: str, info: dict) -> Path:
+        """Atomically write ``runs/<run_id>/provenance.json`` (replacing an earlier version for the
+        same run, e.g. start then finish). ``info`` must be JSON-able (numpy accepted)."""
+        if not isinstance(info, dict):
+            raise TypeError(f"info must be a dict, got {type(info).__name__}")
+        return atomic_write_json(self.run_dir(run_id) / "provenance.json", _jsonable(info), overwrite=True)
+
+    def read_provenance(self, run_id: str) -> dict:
+        """The provenance dict of ``run_id``; ``KeyError`` if none was written."""
+        path = self.path / "runs" / self._check_run(run_id) / "provenance.json"
+        if not path.is_file():
+            raise KeyError(f"no provenance for run {run_id!r} in {self.path}")
+        return json.loads(path.read_text(encoding="utf-8"))
+
+    def runs(self) -> list[str]:
+        """Sorted run ids that have a provenance file."""
+        base = self.path / "runs"
+        return sorted(p.parent.name for p in base.glob("*/provenance.json")) if base.is_dir() else []
+
+    def sweep(self, *, older_than_s: float = 3600.0) -> int:
+        """Delete leftovers of crashed writers (``*.partial``) and per-unit tables no envelope
+        references, older than ``older_than_s``; return how many were removed."""
+        removed = sweep_partials(self.path, older_than_s=older_than_s)
+        base = self.path / "units"
+        if base.is_dir():
+            import time
+
+            cutoff = time.time() - older_than_s
+            for f in base.glob("*/.*.parquet"):
+                fp = f.name[1:].split(".", 1)[0]
+                env = self._envelope(fp) if _FP.match(fp) else None
+                if (env is None or (env.get("per_unit") or {}).get("file") != f.name) and f.stat().st_mtime < cutoff:
+                    f.unlink(missing_ok=True)
+                    removed += 1
+        return removed

@@ -1,0 +1,146 @@
+"""Reusable real-process Dask cluster for tests (``dask scheduler`` + ``dask worker`` subprocesses).
+
+Usage in a test module::
+
+    from cluster_utils import dask_subprocess_cluster  # noqa: F401  (a pytest fixture)
+
+    @pytest.mark.cluster
+    def test_something(dask_subprocess_cluster):
+        with distributed.Client(dask_subprocess_cluster.address) as client:
+            ...
+
+or, outside pytest, ``with subprocess_cluster(n_workers=2) as cluster: ...``.
+
+Everything listens on 127.0.0.1 on free ports, without dashboards; workers run single-threaded
+with BLAS pinned to one thread. Processes are always terminated (then killed) on exit, even when
+start-up fails half-way, and their output is kept in a temporary directory for failure messages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+__all__ = ["SubprocessCluster", "dask_subprocess_cluster", "free_port", "subprocess_cluster"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class SubprocessCluster:
+    address: str
+    n_workers: int
+    processes: list[subprocess.Popen] = field(default_factory=list)
+    log_dir: Path | None = None
+
+    def logs(self) -> str:
+        if self.log_dir is None:
+            return ""
+        return "\n".join(
+            f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(self.log_dir.glob("*.log"))
+        )
+
+
+def _dask_cli() -> list[str]:
+    exe = shutil.which("dask")
+    return [exe] if exe else [sys.executable, "-m", "dask"]
+
+
+def _wait_for_port(port: int, deadline: float, procs: list[subprocess.Popen]) -> None:
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            raise RuntimeError("a dask process exited during start-up")
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.settimeout(0.2)
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"dask scheduler did not listen on 127.0.0.1:{port} in time")
+
+
+
+def _start(cluster, port, n_workers, nthreads, memory_limit, timeout, env, handles) -> None:
+    log_dir = cluster.log_dir
+    address = cluster.address
+
+    def spawn(name: str, args: list[str]) -> None:
+        handle = open(log_dir / f"{name}.log", "wb")
+        handles.append(handle)
+        cluster.processes.append(
+            subprocess.Popen(args, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=log_dir)
+        )
+
+    spawn("scheduler", [*_dask_cli(), "scheduler", "--host", "127.0.0.1", "--port", str(port),
+                        "--no-dashboard"])  # fmt: skip
+    deadline = time.monotonic() + timeout
+    _wait_for_port(port, deadline, cluster.processes)
+    for k in range(n_workers):
+        spawn(f"worker-{k}", [*_dask_cli(), "worker", address, "--host", "127.0.0.1",
+                              "--nthreads", str(nthreads), "--no-dashboard", "--name", f"w{k}",
+                              "--memory-limit", memory_limit])  # fmt: skip
+    from distributed import Client
+
+    with Client(address, timeout=timeout) as client:
+        client.wait_for_workers(n_workers, timeout=max(1.0, deadline - time.monotonic()))
+
+
+@contextlib.contextmanager
+def subprocess_cluster(
+    n_workers: int = 2, nthreads: int = 1, timeout: float = 120.0, memory_limit: str = "2GiB"
+) -> Iterator[SubprocessCluster]:
+    """Start a scheduler and ``n_workers`` workers as subprocesses; yield; always tear down."""
+    log_dir = Path(tempfile.mkdtemp(prefix="cachescore-cluster-"))
+    env = dict(os.environ)
+    env.update(
+        OMP_NUM_THREADS="1",
+        OPENBLAS_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+    )
+    env.setdefault("NUMBA_CACHE_DIR", str(Path(tempfile.gettempdir()) / "cachescore-numba-cache"))
+    port = free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    cluster = SubprocessCluster(address=address, n_workers=n_workers, log_dir=log_dir)
+    handles = []
+    try:
+        try:
+            _start(cluster, port, n_workers, nthreads, memory_limit, timeout, env, handles)
+        except Exception as exc:
+            raise RuntimeError(f"subprocess cluster failed to start: {exc}\n{cluster.logs()}") from exc
+        yield cluster
+    finally:
+        for proc in reversed(cluster.processes):  # workers first, scheduler last
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in reversed(cluster.processes):
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+        for handle in handles:
+            handle.close()
+        shutil.rmtree(log_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def dask_subprocess_cluster() -> Iterator[SubprocessCluster]:
+    """A 2-worker, 1-thread-per-worker real-process cluster on 127.0.0.1, torn down afterwards."""
+    with subprocess_cluster(n_workers=2, nthreads=1) as cluster:
+        yield cluster

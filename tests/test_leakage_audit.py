@@ -1,0 +1,229 @@
+"""Pins cachescore.probe.audit.audit_sweep: every breach type is caught and named.
+
+Splits are built by hand (no sweep involved), so each test controls exactly which identity
+crosses which roles. The error / report must name the critical level, the offending ids and
+the rows.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from cachescore.probe.audit import LeakageError, audit_sweep
+
+# 12 rows: 6 slides of 2 rows, 3 patients of 2 slides; tile ids repeat in every slide.
+SLIDE = np.array([f"s{i // 2}" for i in range(12)])
+PATIENT = np.array([f"p{i // 4}" for i in range(12)])
+TILE = np.array([f"t{i % 2}" for i in range(12)])
+LABELS = np.array([0, 0, 1, 1] * 3)
+CONF = np.array([0] * 6 + [1] * 6)
+
+
+def oc(train, val, test, replicate=0, split=0, seed=7):
+    return SimpleNamespace(
+        replicate=replicate, split=split, seed=seed,
+        train_rows=np.asarray(train, dtype=np.int64), val_rows=np.asarray(val, dtype=np.int64),
+        test_rows=np.asarray(test, dtype=np.int64),
+    )
+
+
+CLEAN = dict(train=[0, 1, 2, 3], val=[4, 5], test=[8, 9, 10, 11])  # patients p0 | p1 | p2
+
+
+def audit(outcomes, **kw):
+    args = dict(n_rows=12, groups={"slide": SLIDE, "patient": PATIENT}, tile_ids=(SLIDE, TILE),
+                labels=LABELS, confounders=CONF)
+    args.update(kw)
+    return audit_sweep(outcomes, **args)
+
+
+def test_clean_sweep_passes_and_report_is_strict_json():
+    outs = [oc(**CLEAN, split=s) for s in range(3)] + [oc(**CLEAN, replicate=1, split=s, seed=9) for s in range(3)]
+    rep = audit(outs)
+    assert rep["passed"] is True and rep["critical"] == [] and rep["breaches"] == []
+    assert rep["n_outcomes"] == 6 and rep["replicates"] == [0, 1]
+    assert {"row", "tile", "slide", "patient", "test_set_drift", "replicate_seeds",
+            "conflicting_labels"} <= set(rep["checks"])
+    json.loads(json.dumps(rep, allow_nan=False))
+    assert all(v == 0 for o in rep["per_outcome"] for v in o["overlap_counts"].values())
+
+
+def test_empty_audit_never_passes():
+    with pytest.raises(ValueError, match="empty audit never passes"):
+        audit([])
+
+
+def test_row_in_two_roles_is_refused_at_once_even_without_raise():
+    with pytest.raises(LeakageError, match=r"row leaks across train / val.*\[3\]") as ei:
+        audit([oc([0, 1, 2, 3], [3], [8, 9])], raise_on_leakage=False)
+    assert ei.value.breaches[0]["level"] == "row"
+    assert isinstance(ei.value, ValueError)
+
+
+def test_slide_in_two_roles_is_critical_and_named():
+    # row 4 and 5 = slide s2; put 4 in train and 5 in test
+    with pytest.raises(LeakageError) as ei:
+        audit([oc([0, 1, 2, 3, 4], [6, 7], [5, 8, 9], replicate=0, split=1)])
+    msg = str(ei.value)
+    assert "slide leaks across train / in_domain" in msg and "['s2']" in msg and "[4, 5]" in msg
+    assert "replicate 0, split 1" in msg
+    levels = {b["level"] for b in ei.value.breaches}
+    assert {"slide", "patient"} <= levels and "tile" not in levels
+    rep = ei.value.report
+    assert rep["passed"] is False and "slide" in rep["critical"]
+
+
+def test_patient_level_only():
+    # slides whole, but patient p1 (slides s2, s3) split between val and test
+    with pytest.raises(LeakageError, match=r"patient leaks across val / in_domain: 1 id\(s\) \['p1'\]") as ei:
+        audit([oc([0, 1, 2, 3], [4, 5], [6, 7, 8, 9])])
+    assert {b["level"] for b in ei.value.breaches} == {"patient"}
+    b = ei.value.breaches[0]
+    assert b["rows"] == [4, 5, 6, 7] and b["n_ids"] == 1
+
+
+def test_configurable_level_names():
+    rep = audit([oc(**CLEAN)], groups={"case": PATIENT})
+    assert rep["protected_levels"] == ["case"]
+    with pytest.raises(LeakageError, match="case leaks"):
+        audit([oc([0, 1, 2, 3], [4, 5], [6, 7])], groups={"case": PATIENT})
+    with pytest.raises(ValueError, match="reserved"):
+        audit([oc(**CLEAN)], groups={"row": PATIENT})
+
+
+def test_tile_key_is_composite_and_duplicates_across_roles_are_critical():
+    # equal tile ids "t0" in different slides are different tiles: clean split passes
+    audit([oc(**CLEAN)], groups={"slide": SLIDE})
+    # a duplicated tile row (same slide + tile id at two row indices) across roles
+    slide = SLIDE.copy()
+    tile = TILE.copy()
+    slide[11], tile[11] = "s0", "t0"  # row 11 duplicates row 0 (tile (s0, t0)); its own slide differs
+    groups = {"slide": np.array([f"g{i}" for i in range(12)])}  # slide check neutralised
+    with pytest.raises(LeakageError) as ei:
+        audit([oc([0, 1], [4], [11])], groups=groups, tile_ids=(slide, tile), labels=None)
+    b = [b for b in ei.value.breaches if b["level"] == "tile"][0]
+    assert b["ids"] == [["s0", "t0"]] and b["rows"] == [0, 11] and b["roles"] == ["train", "in_domain"]
+
+
+def test_single_array_tile_ids():
+    sample = np.array([f"x{i}" for i in range(12)])
+    sample[9] = "x0"
+    with pytest.raises(LeakageError, match=r"tile leaks across train / in_domain: 1 id\(s\) \['x0'\]"):
+        audit([oc([0], [4], [9])], groups={"g": np.arange(12)}, tile_ids=sample, labels=None)
+
+
+def test_test_set_drift_within_a_replicate():
+    outs = [oc(**CLEAN, split=0), oc([0, 1, 2, 3], [4, 5], [8, 9, 10], split=1), oc(**CLEAN, replicate=1, seed=3)]
+    with pytest.raises(LeakageError, match="test_set_drift") as ei:
+        audit(outs)
+    b = [b for b in ei.value.breaches if b["level"] == "test_set_drift"][0]
+    assert b["replicate"] == 0 and b["split"] == 1 and b["rows"] == [11] and b["n_removed"] == 1
+    # different test sets in DIFFERENT replicates are fine
+    audit([oc(**CLEAN), oc([0, 1, 2, 3], [4, 5], [8, 9], replicate=1, seed=3)])
+
+
+def test_replicate_seed_rules():
+    with pytest.raises(LeakageError, match="replicate_seeds"):
+        audit([oc(**CLEAN, replicate=0, seed=1), oc(**CLEAN, replicate=1, seed=1)])
+    with pytest.raises(LeakageError, match="replicate_seeds"):
+        audit([oc(**CLEAN, replicate=0, split=0, seed=1), oc(**CLEAN, replicate=0, split=1, seed=2)])
+
+
+def test_unseen_confounder_test_set_must_not_hold_a_trained_confounder():
+    sizes = {"ood": 4}
+    ok = audit([oc(**CLEAN)], test_set_sizes=sizes, test_set_confounders={"ood": np.array([5, 5, 6, 6])})
+    assert ok["passed"] and ok["test_sets"]["ood"]["confounders_checked"]
+    with pytest.raises(LeakageError, match=r"ood_centre leaks across train / val / ood: 1 id\(s\) \[0\]") as ei:
+        audit([oc(**CLEAN)], test_set_sizes=sizes, test_set_confounders={"ood": np.array([5, 0, 6, 6])})
+    b = ei.value.breaches[0]
+    assert b["test_set_rows"] == [1] and b["rows"] == [0, 1, 2, 3, 4, 5]
+
+
+def test_test_set_groups_must_not_appear_in_the_sweep_rows():
+    sizes = {"ood": 3}
+    rep = audit([oc(**CLEAN)], test_set_sizes=sizes,
+                test_set_groups={"ood": {"slide": np.array(["z1", "z1", "z2"]), "patient": np.array(["q", "q", "q"])}})
+    assert rep["test_sets"]["ood"]["levels_checked"] == ["slide", "patient"]
+    with pytest.raises(LeakageError, match=r"patient leaks across in_domain / ood.*\['p2'\]") as ei:
+        audit([oc(**CLEAN)], test_set_sizes=sizes,
+              test_set_groups={"ood": {"slide": np.array(["z1", "z1", "z2"]), "patient": np.array(["q", "p2", "q"])}})
+    assert ei.value.breaches[0]["test_set_rows"] == [1]
+    with pytest.raises(ValueError, match="lacks the protected level 'patient'"):
+        audit([oc(**CLEAN)], test_set_sizes=sizes, test_set_groups={"ood": {"slide": np.array(["a", "b", "c"])}})
+    # a test set without group ids is reported as not audited, never silently clean
+    rep = audit([oc(**CLEAN)], test_set_sizes=sizes)
+    assert rep["test_sets"]["ood"]["levels_checked"] == [] and "not audited" in rep["warnings"][0]
+
+
+def test_conflicting_labels_on_one_tile_even_inside_one_role():
+    labels = LABELS.copy()
+    slide, tile = SLIDE.copy(), TILE.copy()
+    slide[1], tile[1] = "s0", "t0"  # rows 0 and 1 are the same tile ...
+    labels[1] = 1  # ... with two classes
+    with pytest.raises(LeakageError, match="conflicting_labels") as ei:
+        audit([oc(**CLEAN)], tile_ids=(slide, tile), labels=labels)
+    assert ei.value.breaches[0]["rows"] == [0, 1]
+    # several classes inside one slide are legitimate
+    labels2 = LABELS.copy()
+    labels2[1] = 1
+    assert audit([oc(**CLEAN)], labels=labels2)["passed"]
+
+
+@pytest.mark.parametrize("bad", [None, "", "  ", np.nan])
+def test_missing_or_blank_identity_is_refused_naming_level_and_row(bad):
+    slide = SLIDE.astype(object)
+    slide[7] = bad
+    with pytest.raises(ValueError, match=r"identity 'slide' is missing or blank at rows \[7\]"):
+        audit([oc(**CLEAN)], groups={"slide": slide})
+
+
+def test_identity_length_and_index_range():
+    with pytest.raises(ValueError, match=r"one id per row \(12\)"):
+        audit([oc(**CLEAN)], groups={"slide": SLIDE[:5]})
+    with pytest.raises(ValueError, match=r"in_domain rows \[12\] lie outside the 12"):
+        audit([oc([0], [1], [12])])
+    with pytest.raises(ValueError, match="integer"):
+        audit([SimpleNamespace(replicate=0, split=0, seed=1, train_rows=np.array([0.5]),
+                               val_rows=np.array([4]), test_rows=np.array([8]))])
+
+
+def test_examples_capped_counts_exact_and_report_mode():
+    n = 60
+    slide = np.array([f"s{i}" for i in range(n)])
+    slide[30:] = slide[:30]  # 30 slides, each split between train and test
+    rep = audit_sweep([oc(np.arange(30), [], np.arange(30, 60))], n_rows=n, groups={"slide": slide},
+                      tile_ids=np.arange(n), raise_on_leakage=False)
+    assert rep["passed"] is False and rep["critical"] == ["slide"]
+    b = rep["breaches"][0]
+    assert b["n_ids"] == 30 and len(b["ids"]) == 10 and b["n_rows"] == 60 and len(b["rows"]) == 20
+    json.dumps(rep, allow_nan=False)
+
+
+def test_large_audit_is_vectorised_and_fast():
+    import time
+
+    rng = np.random.default_rng(0)
+    n = 200_000
+    slide = rng.integers(0, 5000, n)
+    order = np.argsort(slide, kind="stable")
+    cut1, cut2 = np.searchsorted(slide[order], [3000, 4000])
+    outs = [oc(order[:cut1], order[cut1:cut2], order[cut2:], split=s) for s in range(8)]
+    t0 = time.perf_counter()
+    rep = audit_sweep(outs, n_rows=n, groups={"slide": slide}, tile_ids=np.arange(n))
+    assert rep["passed"]
+    assert time.perf_counter() - t0 < 20
+
+
+def test_within_role_duplicates_and_missing_classes_are_warnings_with_counts():
+    slide, tile = SLIDE.copy(), TILE.copy()
+    slide[1], tile[1] = "s0", "t0"  # rows 0 and 1: one tile listed twice, both in train
+    rep = audit([oc([0, 1, 2, 3], [4, 5], [8, 9, 10, 11])], tile_ids=(slide, tile))
+    assert rep["passed"] is True
+    assert rep["per_outcome"][0]["duplicate_tiles_within_role"] == {"train": 1, "val": 0, "in_domain": 0}
+    assert any("repeated inside train" in w for w in rep["warnings"])
+    rep = audit([oc([0, 1, 2, 3], [4, 5], [8, 9])])  # val and in_domain hold class 0 only
+    assert rep["per_outcome"][0]["missing_classes"] == {"val": [1], "in_domain": [1]}

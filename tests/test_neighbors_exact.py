@@ -1,0 +1,139 @@
+"""The exact blocked neighbour engine (cachescore.neighbors.exact).
+
+Pins: the ``cross_group_knn`` contract (shapes, dtypes, -1/+inf padding, same-group and self
+exclusion before selection, ``(distance, index)`` order with index tie-breaks), equality with a
+brute-force oracle, independence from the block sizes (tiny blocks so every block edge is
+crossed), and ``farthest_rows`` (self at distance 0, ties to the largest index).
+
+Bitwise block invariance is checked on *dyadic* rows (entries that are multiples of 1/4 in few
+dimensions), whose dot products are exact in any BLAS kernel: there, many exact ties occur, and
+the order must still be identical for every block shape. On random Gaussian rows BLAS kernel
+choice (gemv vs gemm, edge blocks) moves the last bit of a distance (spec §12.3), so the test
+asserts identical neighbour indices on tie-free data and distances within a few ulp.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cachescore.neighbors.exact import cross_group_knn, farthest_rows
+from cachescore.neighbors.normalize import normalize_rows
+
+BLOCKS = [(None, None), (3, 5), (7, 2), (2, 64), (64, 3)]
+
+
+def blocks_for(n):
+    """Block shapes to try; single-entry blocks only on small inputs (they are slow by design)."""
+    return BLOCKS + [(1, 1)] if n <= 30 else BLOCKS
+
+
+def brute_force(u, groups, kmax):
+    """Oracle: full distance matrix in the rows' dtype, masked, lexsorted per row."""
+    d = np.clip(1 - u @ u.T, 0, 2).astype(np.float64)
+    d[np.asarray(groups)[:, None] == np.asarray(groups)[None, :]] = np.inf
+    n = u.shape[0]
+    idx = np.full((n, kmax), -1, dtype=np.int64)
+    dist = np.full((n, kmax), np.inf)
+    for i in range(n):
+        order = np.lexsort((np.arange(n), d[i]))
+        order = order[np.isfinite(d[i, order])][:kmax]
+        idx[i, : order.size] = order
+        dist[i, : order.size] = d[i, order]
+    return idx, dist
+
+
+def dyadic_rows(rng, n, d=3):
+    return (rng.integers(-4, 5, size=(n, d)) / 4.0).astype(np.float64)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("trial", range(6))
+def test_exact_on_dyadic_rows_with_ties_for_every_block_shape(global_seed, trial, dtype):
+    rng = np.random.default_rng([global_seed, trial])
+    n = int(rng.integers(2, 60))
+    u = dyadic_rows(rng, n).astype(dtype)  # exact products: many exact distance ties
+    groups = rng.integers(0, max(1, n // 3), n)
+    kmax = int(rng.integers(1, n + 10))
+    want_idx, want_dist = brute_force(u, groups, kmax)
+    for br, bc in blocks_for(n):
+        idx, dist = cross_group_knn(u, groups, kmax, block_rows=br, block_cols=bc)
+        np.testing.assert_array_equal(idx, want_idx, err_msg=f"blocks {br}x{bc}")
+        np.testing.assert_array_equal(dist, want_dist, err_msg=f"blocks {br}x{bc}")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("trial", range(6))
+def test_matches_brute_force_on_random_rows(global_seed, trial, dtype):
+    rng = np.random.default_rng([global_seed, trial, 1])
+    n = int(rng.integers(2, 100))
+    u = normalize_rows(rng.standard_normal((n, int(rng.integers(2, 40)))).astype(dtype))
+    groups = rng.integers(0, max(1, n // int(rng.integers(1, 8))), n)
+    kmax = int(rng.integers(1, n + 5))
+    want_idx, want_dist = brute_force(u, groups, kmax)
+    ulp = 4e-7 if dtype == np.float32 else 1e-15
+    for br, bc in blocks_for(n):
+        idx, dist = cross_group_knn(u, groups, kmax, block_rows=br, block_cols=bc)
+        assert idx.dtype == np.int64 and dist.dtype == np.float64 and idx.shape == (n, kmax)
+        np.testing.assert_array_equal(idx, want_idx)
+        np.testing.assert_allclose(dist, want_dist, rtol=0, atol=ulp)
+        # values are exactly compute-dtype numbers
+        finite = np.isfinite(dist)
+        assert np.array_equal(dist[finite].astype(dtype).astype(np.float64), dist[finite])
+
+
+def test_contract_padding_exclusion_and_order():
+    rng = np.random.default_rng(3)
+    u = normalize_rows(rng.standard_normal((12, 5)))
+    groups = np.array([0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 2])  # rows 0..9 see only rows 10, 11
+    idx, dist = cross_group_knn(u, groups, 4)
+    for i in range(10):
+        assert set(idx[i, :2].tolist()) == {10, 11}
+        assert (idx[i, 2:] == -1).all() and np.isinf(dist[i, 2:]).all()
+        assert dist[i, 0] <= dist[i, 1]
+    assert 10 not in idx[10] and 11 not in idx[11]
+    assert (idx[10] >= 0).all()  # 11 other-group rows available, 4 kept
+    assert np.all(np.diff(dist[10]) >= 0)
+
+
+def test_string_groups_and_kmax_beyond_n():
+    u = normalize_rows(np.eye(4) + 0.1)
+    idx, dist = cross_group_knn(u, np.array(["a", "b", "a", "c"]), 10)
+    assert idx.shape == (4, 10)
+    assert sorted(idx[0, :2].tolist()) == [1, 3] and (idx[0, 2:] == -1).all()
+
+
+@pytest.mark.parametrize("bad", [0, -3])
+def test_rejects_non_positive_kmax(bad):
+    with pytest.raises(ValueError, match="kmax"):
+        cross_group_knn(np.eye(3), np.arange(3), bad)
+
+
+def test_rejects_non_float_rows():
+    with pytest.raises(TypeError, match="float32 or float64"):
+        cross_group_knn(np.eye(3, dtype=np.int64), np.arange(3), 1)
+
+
+def test_empty_input():
+    idx, dist = cross_group_knn(np.zeros((0, 3)), np.zeros(0, dtype=np.int64), 2)
+    assert idx.shape == (0, 2) and dist.shape == (0, 2)
+
+
+def test_farthest_rows_self_is_zero_and_ties_go_to_largest_index():
+    # rows 1, 2 and 3 are all at distance 2 from row 0 (antipodal duplicates)
+    u = np.array([[1.0, 0.0], [-1.0, 0.0], [-1.0, 0.0], [-1.0, 0.0], [0.0, 1.0]])
+    np.testing.assert_array_equal(farthest_rows(u, [0]), [3])
+    for br, bc in BLOCKS:
+        far = farthest_rows(u, block_rows=br, block_cols=bc)
+        np.testing.assert_array_equal(far, [3, 0, 0, 0, 3])
+    # a single row: its own index (self at distance 0)
+    np.testing.assert_array_equal(farthest_rows(np.ones((1, 3)) / np.sqrt(3)), [0])
+
+
+def test_farthest_rows_matches_brute_force(global_seed):
+    rng = np.random.default_rng([global_seed, 7])
+    u = normalize_rows(rng.standard_normal((60, 6)))
+    d = np.clip(1 - u @ u.T, 0, 2)
+    np.fill_diagonal(d, 0.0)
+    want = d.shape[1] - 1 - np.argmax(d[:, ::-1], axis=1)
+    np.testing.assert_array_equal(farthest_rows(u, block_rows=7, block_cols=11), want)

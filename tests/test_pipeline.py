@@ -1,0 +1,361 @@
+"""Planning and Dask execution of work units (cachescore.pipeline).
+
+Pins: the unit grid (encoder × view × design × metric × m) and its fingerprints (stable, sensitive
+to parameters, inputs and only to the backend that is actually used); a second run executes no
+unit (counted, not timed); a failing encoder (corrupt shard, NaN rows) or view (misaligned
+manifest) is recorded with its error while the other units finish; transient failures are
+retried; an interrupted run resumes with the remainder only and ends with the same results as an
+uninterrupted one; provenance and the performance report are written; ``score_unit`` gives
+croma's numbers.
+
+Most tests use a tiny in-process LocalCluster and an injected unit function (``fake_score``), so
+they exercise the orchestration and not the metrics; ``test_score_unit_matches_croma`` checks the
+metric wiring against the oracle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import shutil
+import threading
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from cachescore.cache import Cache, make_demo_cache, write_embeddings, write_view
+from cachescore.jobs import parse_job
+from cachescore.pipeline import plan_job, run_job
+from cachescore.pipeline.execute import execute_plan
+from cachescore.pipeline.cluster import open_client
+from cachescore.pipeline.plan import resolve_backend
+from cachescore.store import ResultsStore
+
+CALLS: list[str] = []
+_LOCK = threading.Lock()
+
+
+def fake_score(unit, features, manifest):
+    """Deterministic stand-in for the metric API: summary statistics of the unit's features."""
+    with _LOCK:
+        CALLS.append(unit.fingerprint)
+    x = features.astype(np.float64)
+    salt = {"ri": 1.0, "mari": 2.0, "croma": 3.0}[unit.metric] + 0.01 * unit.params.get("m", 0)
+    record = {"encoder": unit.encoder, "view": unit.view, "design": unit.design, "family": unit.metric,
+              "metric": unit.metric, "params": json.dumps(unit.params, sort_keys=True),
+              "value": float(x.mean() * salt), "std": float(x.std()), "n_units": int(len(manifest)),
+              "k": int(len(manifest))}
+    per_unit = pd.DataFrame({"unit": np.arange(len(manifest)), "value": x.mean(axis=1)})
+    return record, per_unit
+
+
+@pytest.fixture(scope="module")
+def demo_cache(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cache") / "demo"
+    make_demo_cache(root, n_slides_per_cell=2, tiles_per_slide=4, dim=8, encoders=3, seed=1)
+    return root
+
+
+def make_job(tmp_path, cache, **sections):
+    doc = {"schema_version": 1, "job": {"cache": str(cache), "store": str(tmp_path / "store")},
+           "metrics": {"croma": {"m": [1, 5]}},
+           "execution": {"n_workers": 1, "retries": 1, "dashboard": False, "performance_report": False}}
+    for name, values in sections.items():
+        if "." in name:
+            a, b = name.split(".")
+            doc.setdefault(a, {}).setdefault(b, {}).update(values)
+        else:
+            doc.setdefault(name, {}).update(values)
+    return parse_job(doc, path=tmp_path / "job.toml")
+
+
+def run(job, **kw):
+    kw.setdefault("unit_fn", fake_score)
+    return run_job(job, processes=False, out=io.StringIO(), **kw)
+
+
+def test_plan_grid_and_fingerprints(tmp_path, demo_cache):
+    job = make_job(tmp_path, demo_cache)
+    plan = plan_job(job)
+    # 3 encoders x 2 views x (ri, mari, croma m=1, croma m=5)
+    assert len(plan.pending) == 3 * 2 * 4 and not plan.done and not plan.invalid
+    fps = [u.fingerprint for u in plan.pending]
+    assert len(set(fps)) == len(fps)
+    designs = {u.view: u.design for u in plan.pending}
+    assert designs == {"centre_all": "all", "centre_paired": "paired_2x2"}
+    assert {u.params["backend"] for u in plan.pending} == {"exact"}
+    assert [u.fingerprint for u in plan_job(job).pending] == fps  # stable
+    assert set(plan.inputs) == {"views/centre_all", "views/centre_paired"} | {
+        f"embeddings/enc{i}/demo" for i in range(3)}
+
+    # a MaRI parameter changes exactly the MaRI units
+    job2 = make_job(tmp_path, demo_cache, **{"metrics.mari": {"tau": 0.3}})
+    changed = {u.metric for u, v in zip(plan.pending, plan_job(job2).pending) if u.fingerprint != v.fingerprint}
+    assert changed == {"mari"}
+
+    # the auto threshold matters only when it changes the backend actually used
+    same = plan_job(make_job(tmp_path, demo_cache, neighbors={"auto_threshold": 1e9}))
+    assert [u.fingerprint for u in same.pending] == fps
+    ann = plan_job(make_job(tmp_path, demo_cache, neighbors={"auto_threshold": 10.0}))
+    assert {u.params["backend"] for u in ann.pending} == {"ann"}
+    assert not set(fps) & {u.fingerprint for u in ann.pending}
+
+    # a forced design and a subset of encoders/views
+    forced = plan_job(make_job(tmp_path, demo_cache, job={"design": "all", "encoders": ["enc2"],
+                                                          "views": ["centre_paired"]}))
+    assert {(u.encoder, u.view, u.design) for u in forced.pending} == {("enc2", "centre_paired", "all")}
+
+
+def test_plan_rejects_unknown_encoder(tmp_path, demo_cache):
+    job = make_job(tmp_path, demo_cache, job={"encoders": ["enc0", "nope"]})
+    with pytest.raises(ValueError, match=r"encoder\(s\) nope not in cache .* \(it has: enc0, enc1, enc2\)"):
+        plan_job(job)
+
+
+def test_resolve_backend():
+    assert resolve_backend("auto", max_scope_rows=100, dim=10, threshold=1e5) == "exact"
+    assert resolve_backend("auto", max_scope_rows=101, dim=10, threshold=1e5) == "ann"
+    assert resolve_backend("exact", max_scope_rows=10**6, dim=768, threshold=1.0) == "exact"
+    assert resolve_backend("ann", max_scope_rows=2, dim=2, threshold=1e30) == "ann"
+
+
+def test_second_run_executes_nothing(tmp_path, demo_cache):
+    job = make_job(tmp_path, demo_cache)
+    CALLS.clear()
+    first = run(job)
+    assert first.ok and first.executed == first.succeeded == 24 and first.skipped == 0
+    assert len(CALLS) == 24 and len(set(CALLS)) == 24
+    store = ResultsStore(job.store)
+    scores = store.scores()
+    assert len(scores) == 24 and set(scores["fingerprint"]) == set(CALLS)
+
+    CALLS.clear()
+    second = run(job)
+    assert second.ok and second.executed == 0 and second.skipped == 24 and CALLS == []
+    pd.testing.assert_frame_equal(store.scores().drop(columns=["finished_at"]), scores.drop(columns=["finished_at"]))
+
+    prov = store.read_provenance(first.run_id)
+    assert prov["units"] == {"planned": 24, "executed": 24, "skipped": 0, "succeeded": 24, "failed": 0}
+    assert prov["job"]["job"]["cache"] == str(demo_cache)
+    assert set(prov["input_fingerprints"]) == set(plan_job(job).inputs)
+    assert prov["versions"]["cachescore"] and prov["versions"]["numpy"] == np.__version__
+    assert prov["hardware"]["workers"] and prov["code_version"]
+    assert store.read_provenance(second.run_id)["executed_fingerprints"] == []
+
+    # the records are the unit function's output, keyed by the planned fingerprints
+    rec = store.record(CALLS[0] if CALLS else scores["fingerprint"].iloc[0])
+    assert rec["seconds"] >= 0 and rec["run_id"] == first.run_id
+
+
+def _corrupt_copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_failing_inputs_are_recorded_and_the_rest_finishes(tmp_path, demo_cache):
+    cache_root = _corrupt_copy(demo_cache, tmp_path / "cache")
+    cache = Cache(cache_root)
+    # enc1: a corrupt shard (bytes flipped after the .npy header; checksum no longer matches)
+    shard = sorted((cache_root / "embeddings" / "enc1" / "demo").glob("*.npy"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-8:] = b"\xff" * 8
+    shard.write_bytes(bytes(data))
+    # enc2: NaN rows (written with the writer's finiteness check off)
+    x = cache.load_rows("enc2", "demo")
+    x[[3, 7]] = np.nan
+    write_embeddings(cache_root, "enc2", "demo", x, overwrite=True, check_finite=False)
+    # a misaligned view: a sample_id that the tileset does not have
+    frame = cache.read_view("centre_all")[["sample_id", "label", "group_id", "centre"]].copy()
+    write_view(cache_root, "broken", frame, tileset="demo", confounder_column="centre", design="all")
+    frame.loc[5, "sample_id"] = "no-such-tile"  # edited outside cachescore: the writer would refuse it
+    frame.to_parquet(cache_root / "views" / "broken.parquet", index=False)
+
+    job = make_job(tmp_path, cache_root, metrics={"families": ["ri", "croma"]}, **{"metrics.croma": {"m": [5]}})
+    CALLS.clear()
+    summary = run(job)
+    # 3 views x 3 encoders x 2 families
+    assert summary.planned == 18 and not summary.ok
+    failed = {f["label"].split("/")[0] + "/" + f["label"].split("/")[1] for f in summary.failures}
+    assert {f"enc1/{v}" for v in ("centre_all", "centre_paired")} <= failed
+    assert {f"enc2/{v}" for v in ("centre_all", "centre_paired")} <= failed
+    assert {f"enc{i}/broken" for i in range(3)} <= failed
+    assert len(summary.failures) == 2 * 2 + 2 * 2 + 3 * 2
+    assert summary.succeeded == 4  # enc0 on the two good views, two families
+    errors = {f["label"]: f["error"] for f in summary.failures}
+    assert any("ShardError" in e and "enc1" in e and shard.name in e for k, e in errors.items() if k.startswith("enc1/"))
+    assert any("NonFiniteError" in e and "3" in e for k, e in errors.items() if k.startswith("enc2/"))
+    assert all("no-such-tile" in e for k, e in errors.items() if "/broken/" in k)
+
+    store = ResultsStore(job.store)
+    assert len(store.scores()) == 4 and set(store.scores()["encoder"]) == {"enc0"}
+    fails = store.failures()
+    assert len(fails) == len(summary.failures)
+    assert set(fails["fingerprint"]) == {f["fingerprint"] for f in summary.failures}
+
+
+_ATTEMPTS: dict[str, int] = {}
+
+
+def flaky_load(unit):
+    """Loads normally, but the first attempt at every croma unit loses its connection."""
+    from cachescore.pipeline.unit import load_unit_inputs
+
+    with _LOCK:
+        _ATTEMPTS[unit.fingerprint] = _ATTEMPTS.get(unit.fingerprint, 0) + 1
+        first = _ATTEMPTS[unit.fingerprint] == 1
+    if unit.metric == "croma" and first:
+        raise ConnectionResetError("simulated transient failure")
+    return load_unit_inputs(unit)
+
+
+def always_lost(unit):
+    raise ConnectionResetError("simulated persistent transport failure")
+
+
+def test_transient_failures_are_retried(tmp_path, demo_cache):
+    job = make_job(tmp_path, demo_cache, job={"encoders": ["enc0"]})
+    _ATTEMPTS.clear()
+    summary = run(job, load_fn=flaky_load)
+    assert summary.ok and summary.succeeded == 8
+    croma = [u.fingerprint for u in plan_job(job).done if u.metric == "croma"]
+    assert croma and all(_ATTEMPTS[fp] == 2 for fp in croma)
+
+
+def test_exhausted_retries_are_recorded(tmp_path, demo_cache):
+    job = make_job(tmp_path, demo_cache, job={"encoders": ["enc0"], "views": ["centre_all"]},
+                   metrics={"families": ["ri"]})
+    summary = run(job, load_fn=always_lost)
+    assert not summary.ok and summary.succeeded == 0 and len(summary.failures) == 1
+    assert "ConnectionResetError" in summary.failures[0]["error"]
+    fails = ResultsStore(job.store).failures()
+    assert list(fails["error"]) == [summary.failures[0]["error"]]
+    # once the cause is gone, the next run scores it and the failure disappears
+    assert run(job).ok
+    assert len(ResultsStore(job.store).failures()) == 0
+
+
+def test_interrupted_run_resumes_with_identical_results(tmp_path, demo_cache):
+    job = make_job(tmp_path, demo_cache)
+    plan = plan_job(job)
+    # an interrupted run: only the first 10 units got written before the client died
+    partial = dataclasses.replace(plan, pending=plan.pending[:10])
+    with open_client(None, n_workers=1, dashboard=False, processes=False) as client:
+        ok, fails = execute_plan(partial, client, retries=0, out=None, unit_fn=fake_score)
+    assert ok == 10 and not fails
+    CALLS.clear()
+    resumed = run(job)
+    assert resumed.executed == 14 and resumed.skipped == 10 and resumed.ok
+    assert set(CALLS) == {u.fingerprint for u in plan.pending[10:]}
+
+    clean_job = make_job(tmp_path / "clean", demo_cache)
+    assert run(clean_job).executed == 24
+    cols = ["fingerprint", "encoder", "view", "design", "metric", "value", "std", "k", "n_units"]
+    a = ResultsStore(job.store).scores()[cols].sort_values("fingerprint").reset_index(drop=True)
+    b = ResultsStore(clean_job.store).scores()[cols].sort_values("fingerprint").reset_index(drop=True)
+    pd.testing.assert_frame_equal(a, b)
+    for fp in a["fingerprint"]:
+        pd.testing.assert_frame_equal(ResultsStore(job.store).per_unit(fp), ResultsStore(clean_job.store).per_unit(fp))
+
+
+def test_performance_report_and_progress(tmp_path, demo_cache):
+    job = make_job(tmp_path, demo_cache, job={"encoders": ["enc0"], "views": ["centre_all"]},
+                   metrics={"families": ["ri"]}, execution={"performance_report": True})
+    out = io.StringIO()
+    summary = run_job(job, processes=False, out=out, unit_fn=fake_score)
+    assert summary.ok and summary.report_path
+    report = Path(summary.report_path)
+    assert report.is_file() and report.parent == ResultsStore(job.store).run_dir(summary.run_id)
+    assert "<html" in report.read_text(encoding="utf-8", errors="replace").lower()
+    text = out.getvalue()
+    assert "1/1 units" in text and "done enc0/centre_all/all/ri" in text
+    assert ResultsStore(job.store).read_provenance(summary.run_id)["performance_report"] == str(report)
+
+
+def test_score_unit_matches_croma(tmp_path, demo_cache):
+    """score_unit wires the metric API: its records equal croma 1.0.1 on the demo cache.
+
+    The demo embeddings are Gaussian float32 draws, so distance ties at window boundaries have
+    probability ~0; RI/k/support are compared exactly, MaRI/CRoMa within the spec's float32
+    tolerance (spec/metrics.md §12.3).
+    """
+    pytest.importorskip("cachescore.metrics.ri")
+    pytest.importorskip("cachescore.metrics.mari")
+    pytest.importorskip("cachescore.metrics.croma")
+    import croma
+
+    from cachescore.pipeline import score_unit
+    from cachescore.pipeline.unit import load_unit_inputs
+
+    job = make_job(tmp_path, demo_cache, job={"encoders": ["enc0", "enc2"]}, **{"metrics.croma": {"m": [1, 5]}})
+    plan = plan_job(job)
+    for unit in plan.pending:
+        features, manifest = load_unit_inputs(unit)
+        kw = dict(confounder_column=unit.confounder_column, evaluation_design=unit.design)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # metric notes (e.g. MaRI auto tau) are not under test here
+            record, per_unit = score_unit(unit, features, manifest)
+            if unit.metric == "ri":
+                ref = croma.RI.compute(features, manifest, k_candidates=unit.params["k_candidates"], **kw)
+            elif unit.metric == "mari":
+                ref = croma.MaRI.compute(features, manifest, k_candidates=unit.params["k_candidates"], **kw)
+            else:
+                ref = croma.CRoMa.compute(features, manifest, m=unit.params["m"], alpha=unit.params["alpha"], **kw)
+        if unit.metric == "croma":
+            assert record["m"] == ref.m
+            np.testing.assert_allclose(record["value"], ref.value, rtol=0, atol=1e-6)
+            np.testing.assert_allclose(record["f0"], ref.f0, rtol=0, atol=0)
+        else:
+            assert record["k"] == ref.k
+            assert record["support_fraction"] == ref.support
+            if unit.metric == "ri":
+                assert record["value"] == ref.value
+            else:
+                np.testing.assert_allclose(record["value"], ref.value, rtol=0, atol=1e-6)
+                np.testing.assert_allclose(record["tau"], ref.tau, rtol=0, atol=4e-7)
+        np.testing.assert_allclose(per_unit["value"].to_numpy(), np.asarray(ref.sample_values_aligned, float),
+                                   rtol=0, atol=1e-6, equal_nan=True)
+        np.testing.assert_array_equal(per_unit["source_index"].to_numpy(), ref.occurrence_source_indices)
+
+
+def _ann_vs_exact(tmp_path, demo_cache, families):
+    from cachescore.pipeline import score_unit
+    from cachescore.pipeline.unit import load_unit_inputs
+
+    sel = {"encoders": ["enc1"]}
+    met = {"families": families}
+    exact = plan_job(make_job(tmp_path, demo_cache, job=sel, metrics=met, neighbors={"backend": "exact"})).pending
+    ann = plan_job(make_job(tmp_path, demo_cache, job=sel, metrics=met,
+                            neighbors={"backend": "ann", "recall_sample": 50})).pending
+    assert len(exact) == len(ann) > 0
+    for ue, ua in zip(exact, ann):
+        assert ua.params["backend"] == "ann" and ua.params["recall_sample"] == 50
+        features, manifest = load_unit_inputs(ue)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            re_, pe = score_unit(ue, features, manifest)
+            ra, pa_ = score_unit(ua, features, manifest)
+        assert np.isnan(re_["recall"]) and ra["recall"] == 1.0
+        assert ra["value"] == re_["value"] and ra["k"] == re_["k"]
+        pd.testing.assert_frame_equal(pa_, pe)
+
+
+def test_ann_backend_wiring_records_recall(tmp_path, demo_cache):
+    """backend = "ann" goes through engineer F's searches and records their measured recall.
+
+    The demo scopes are small, so the ANN engine answers them by exact brute force (its own
+    policy below BRUTE_MAX_ROWS): recall is exactly 1 and the values equal the exact backend's.
+    """
+    pytest.importorskip("cachescore.neighbors.ann")
+    _ann_vs_exact(tmp_path, demo_cache, ["ri", "mari"])
+
+
+@pytest.mark.xfail(raises=IndexError, strict=False,
+                   reason="neighbors/ann.py _brute: a contiguous target-row slice runs past the cell "
+                          "(u[trows[0]+t : trows[0]+t+block] is not clipped to trows.size)")
+def test_ann_backend_wiring_croma(tmp_path, demo_cache):
+    pytest.importorskip("cachescore.neighbors.ann")
+    _ann_vs_exact(tmp_path, demo_cache, ["croma"])
