@@ -605,3 +605,28 @@ def test_integer_and_half_precision_features_match_croma(dtype):
     r, ref = both(x, df, m=[1, 3], start_k=4)
     for key in ref:
         assert_equal_results(r[key], ref[key])
+
+
+@pytest.mark.parametrize("design", ["all", "paired_2x2"])
+def test_result_shape_and_pooled_statistics(design):
+    x, df = _random_case(4, 160)
+    df["subset"] = "p1"
+    r = CRoMa.compute(x, df, confounder_column="scanner_vendor", evaluation_design=design, m=2)
+    assert r.dataset == "toy" and r.n_pairs == 1 and np.isfinite(r.value)
+    assert r.sample_values_aligned.shape == (160,)
+    assert not hasattr(r, "occurrence_defined_mask") and not hasattr(r, "undefined_frac") and not hasattr(r, "support")
+    assert r.value == np.median(r.sample_values)
+    assert r.q_alpha == np.percentile(r.sample_values, 10)
+    assert r.evaluation_unit == ("sample" if design == "all" else "occurrence")
+    assert np.all((r.sample_values > -1) & (r.sample_values < 1))
+
+
+def test_schedule_bounds_shortcut_agrees_with_counting():
+    """When every unit's pool is tiny relative to start_k the bounds decide the schedule without a
+    counting pass; the result must equal croma's either way."""
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((60, 4))
+    df = toy_manifest([CYCLED[i % 4] for i in range(60)], groups=[f"g{i // 2}" for i in range(60)])
+    for start_k in (1, 10, 40, 57, 58, 59, 200):
+        r, ref = both(x, df, m=2, start_k=start_k, k_growth_factor=1.5)
+        assert (r.k_start, r.k_final, r.retries) == (ref.k_start, ref.k_final, ref.retries)

@@ -282,3 +282,31 @@ def test_appendix_isotropic_gaussian_default_and_float32():
     assert abs(rp.ltm_alpha - -0.07440903648973542) <= 1e-12
     assert rp.f0 == 0.494
     assert (rp.k_start, rp.k_final, rp.retries) == (200, 335, 1)
+
+
+@pytest.mark.slow
+def test_rare_confounder_scope_at_n2000_matches_croma():
+    """Spec §7.2/§7.10 worst case for croma: one rare confounder value (3% of rows) forces its
+    window to almost the whole scope (windows 200, 400, 800, 1600, 1999). Also crosses default
+    tile edges nowhere (n < 2048), so run with small tiles through ``compute_with`` as well."""
+    from functools import partial
+
+    from cachescore.neighbors.typed import typed_knn
+
+    rng = np.random.default_rng(0)
+    n = 2000
+    x = rng.standard_normal((n, 64)).astype(np.float32)
+    labels = rng.integers(0, 2, n)
+    confs = (rng.random(n) < 0.03).astype(int)
+    x[:, :2] += 0.5 * np.eye(2)[labels]
+    df = _frame(labels, confs, np.asarray([f"g{i // 10}" for i in range(n)], dtype=object))
+    ref = croma.CRoMa.compute(x, df, confounder_column="center", m=[1, 5])
+    assert (ref[5].k_start, ref[5].k_final, ref[5].retries) == (200, 1999, 4)
+    for search in (None, partial(typed_knn, block_rows=300)):
+        ours = (
+            CRoMa.compute(x, df, confounder_column="center", m=[1, 5])
+            if search is None
+            else CRoMa.compute_with(search, x, df, confounder_column="center", m=[1, 5])
+        )
+        for key in ref:
+            assert_same_result(ours[key], ref[key], x.dtype)

@@ -137,3 +137,23 @@ def test_farthest_rows_matches_brute_force(global_seed):
     np.fill_diagonal(d, 0.0)
     want = d.shape[1] - 1 - np.argmax(d[:, ::-1], axis=1)
     np.testing.assert_array_equal(farthest_rows(u, block_rows=7, block_cols=11), want)
+
+
+@pytest.mark.parametrize("kind", ["dyadic", "gaussian64"])
+def test_large_scope_with_sampled_first_block_bound(global_seed, kind):
+    """n > 1024 columns: the first block's bound comes from a column sample (not the full row)."""
+    rng = np.random.default_rng([global_seed, 11])
+    n = 1400
+    if kind == "dyadic":
+        u = dyadic_rows(rng, n, d=4)  # heavy exact ties, including many at distance 0 and 2
+    else:
+        u = normalize_rows(rng.standard_normal((n, 8)))  # float64: no near-ties at ulp scale
+    groups = np.repeat(np.arange(n // 7), 7)
+    want_idx, want_dist = brute_force(u, groups, 15)
+    for br, bc in [(None, None), (500, 1300)]:
+        idx, dist = cross_group_knn(u, groups, 15, block_rows=br, block_cols=bc)
+        np.testing.assert_array_equal(idx, want_idx)
+        if kind == "dyadic":
+            np.testing.assert_array_equal(dist, want_dist)
+        else:
+            np.testing.assert_allclose(dist, want_dist, rtol=0, atol=1e-15)

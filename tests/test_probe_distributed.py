@@ -94,7 +94,7 @@ class CountingClient:
         return getattr(self._client, name)
 
 
-@pytest.mark.parametrize("n_workers", [1, 2])
+@pytest.mark.parametrize("n_workers", [1, 2, 8])
 def test_in_process_cluster_gives_identical_outcomes(reference, n_workers):
     with LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=False,
                       dashboard_address=None) as cluster, Client(cluster) as client:  # fmt: skip

@@ -94,13 +94,15 @@ def check(x, c, y, **kwargs):
 # ------------------------------------------------------------------------------------ parity
 
 
-@pytest.mark.parametrize(("seed", "iterations"), [(7, 4), (11, 2), (1000, 2)])
+@pytest.mark.parametrize(
+    ("seed", "iterations"), [(7, 3), (11, 2), pytest.param(1000, 3, marks=pytest.mark.slow)]
+)
 def test_binary_2x2_matches_croma(seed, iterations):
     x, c, y = cohort(seed=seed)
     check(x, c, y, schedule=two_by_two([4, 3, 0]), rows_per_slide=3, iterations=iterations, seed=seed)
 
 
-@pytest.mark.parametrize("seed", [0, 4242])
+@pytest.mark.parametrize("seed", [0, pytest.param(4242, marks=pytest.mark.slow)])
 def test_binary_2x2_d16_matches_croma(seed):
     x, c, y = cohort(dim=16, seed=seed + 1)
     check(x, c, y, schedule=two_by_two([4, 2, 1]), rows_per_slide=3, iterations=2, seed=seed)
@@ -142,10 +144,10 @@ def test_extra_test_sets_match_croma():
     unseen_x = unseen_x + np.array([0, 4.0, 0, 0])  # a confounder the probe never saw
     one_class = (unseen_x[unseen_y == 1][:5], unseen_y[unseen_y == 1][:5])
     tests = {"unseen_confounder": (unseen_x, unseen_y), "tumour_only": one_class}
-    ours = check(x, c, y, schedule=two_by_two([4, 2, 0]), test_sets=tests, rows_per_slide=3,
+    ours = check(x, c, y, schedule=two_by_two([4, 0]), test_sets=tests, rows_per_slide=3,
                  iterations=2, seed=11)  # fmt: skip
     assert list(ours) == [IN_DOMAIN, "unseen_confounder", "tumour_only"]
-    plain = probe_sweep(x, c, y, schedule=two_by_two([4, 2, 0]), rows_per_slide=3, iterations=2, seed=11)
+    plain = probe_sweep(x, c, y, schedule=two_by_two([4, 0]), rows_per_slide=3, iterations=2, seed=11)
     assert np.array_equal(plain, ours[IN_DOMAIN])
 
 
@@ -181,7 +183,7 @@ def case_split_like_tolkach(cells, rng):
 @pytest.mark.parametrize("hook", [copy_and_shuffle, reverse_then_draw, case_split_like_tolkach])
 def test_custom_arrangements_match_croma(hook):
     x, c, y = cohort(seed=8)
-    check(x, c, y, schedule=two_by_two([4, 2]), rows_per_slide=3, iterations=3, seed=13,
+    check(x, c, y, schedule=two_by_two([4, 2]), rows_per_slide=3, iterations=2, seed=13,
           arrange_slides=hook)  # fmt: skip
 
 
@@ -218,9 +220,13 @@ def test_float32_and_unsigned_inputs_match_croma():
 
 def test_cells_need_not_be_contiguous_in_the_input():
     x, c, y = cohort(seed=13)
-    # interleave cells while keeping each cell's internal order (slides stay contiguous per cell)
-    order = np.argsort(np.arange(len(x)) % 30 * 10 + c * 2 + y, kind="stable")
-    order = np.concatenate([np.flatnonzero((c == i) & (y == j)) for j in range(2) for i in range(2)])
+    # interleave the cells slide by slide, keeping each cell's internal row order
+    cell = c * 2 + y
+    position = np.empty(len(x), dtype=np.int64)
+    for k in range(4):
+        position[cell == k] = np.arange(np.sum(cell == k))
+    order = np.lexsort((cell, position // 3))
+    assert not np.array_equal(order, np.arange(len(x)))
     check(x[order], c[order], y[order], schedule=two_by_two([4, 2]), rows_per_slide=3,
           iterations=2, seed=17)  # fmt: skip
 

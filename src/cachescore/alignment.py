@@ -16,7 +16,13 @@ import pandas as pd
 
 from .metrics._manifest import GROUP_COLUMN, normalize_manifest
 
-__all__ = ["EMBEDDING_SOURCE_COLUMNS", "build_embedding_source_manifest", "expand_features_to_manifest", "load_manifest"]
+__all__ = [
+    "EMBEDDING_SOURCE_COLUMNS",
+    "build_embedding_source_manifest",
+    "manifest_row_to_embedding_index",
+    "expand_features_to_manifest",
+    "load_manifest",
+]
 
 #: Columns whose normalised values identify an embedded row.
 EMBEDDING_SOURCE_COLUMNS = ("sample_id", "image_path", "label", "confounder", GROUP_COLUMN)

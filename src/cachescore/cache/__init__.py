@@ -7,6 +7,7 @@ See ``docs/cache-layout.md``. Public names:
 * :func:`write_tileset`, :func:`write_embeddings`, :func:`write_view` – atomic writers;
 * :func:`import_cache` – build a cache from per-encoder or per-slide arrays;
 * :func:`make_demo_cache` – a small cache with a known confounder ranking;
+* :func:`verify_cache` / :meth:`Cache.verify` – a whole-cache health check returning every :class:`Problem`;
 * the :mod:`~cachescore.cache.errors` hierarchy rooted at :class:`CacheError` (a ``ValueError``).
 """
 
@@ -24,6 +25,7 @@ from .importer import import_cache
 from .layout import EmbeddingMeta, ViewSpec
 from .reader import Cache
 from .synthetic import make_demo_cache
+from .verify import PROBLEM_KINDS, Problem, verify_cache
 from .writer import write_embeddings, write_tileset, write_view
 
 __all__ = [
@@ -35,6 +37,9 @@ __all__ = [
     "write_view",
     "import_cache",
     "make_demo_cache",
+    "verify_cache",
+    "Problem",
+    "PROBLEM_KINDS",
     "CacheError",
     "CacheNotFoundError",
     "LayoutError",

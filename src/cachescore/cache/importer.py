@@ -36,6 +36,8 @@ __all__ = ["import_cache", "LAYOUTS"]
 
 #: Accepted values of ``layout``.
 LAYOUTS = ("per_encoder", "per_slide")
+#: File names tried, in order, for a slide in a per-slide folder.
+_SLIDE_SUFFIXES = (".npy", ".h5", ".hdf5")
 
 
 def _h5py():
@@ -48,7 +50,11 @@ def _h5py():
 
 
 class _Source:
-    """One 2-D array on disk (``.npy`` via memmap or an ``.h5`` dataset); header read on construction."""
+    """One 2-D array on disk (``.npy`` via memmap or an ``.h5`` dataset); header read on construction.
+
+    ``dtype`` is the native-byte-order form of the stored dtype; ``take``/``slice`` return arrays
+    in it (a big-endian ``>f4`` file is read as ``float32``, never stored byte-swapped).
+    """
 
     def __init__(self, path: Path, *, h5_dataset: str, what: str):
         self.path, self.h5_dataset, self.what = Path(path), h5_dataset, what
@@ -61,17 +67,20 @@ class _Source:
             shape, dtype = arr.shape, arr.dtype
         elif suffix in (".h5", ".hdf5"):
             self.kind = "h5"
-            with _h5py().File(self.path, "r") as fh:
-                if h5_dataset not in fh:
-                    raise LayoutError(f"{what}: {self.path} has no dataset {h5_dataset!r} (has {sorted(fh.keys())})")
-                shape, dtype = fh[h5_dataset].shape, fh[h5_dataset].dtype
+            with self._h5() as fh:
+                dset = self._dataset(fh)
+                shape, dtype = dset.shape, dset.dtype
         else:
             raise LayoutError(f"{what}: {self.path} has unsupported suffix {suffix!r}; use .npy or .h5")
-        if len(shape) != 2:
-            raise LayoutError(f"{what}: {self.path} must hold a 2-D array (tiles, dim), got shape {tuple(shape)}")
+        where = f"{self.path}" + (f" dataset {h5_dataset!r}" if self.kind == "h5" else "")
+        if shape is None or len(shape) != 2:
+            raise LayoutError(f"{what}: {where} must hold a 2-D array (tiles, dim), got shape "
+                              f"{None if shape is None else tuple(shape)}")
         if np.dtype(dtype).name not in FLOAT_DTYPES:
-            raise LayoutError(f"{what}: {self.path} has dtype {dtype}; expected one of {list(FLOAT_DTYPES)} (cast it explicitly)")
-        self.shape, self.dtype = (int(shape[0]), int(shape[1])), np.dtype(dtype)
+            raise LayoutError(f"{what}: {where} has dtype {dtype}; expected one of {list(FLOAT_DTYPES)} "
+                              "(cast it explicitly)")
+        self.shape = (int(shape[0]), int(shape[1]))
+        self.dtype = np.dtype(dtype).newbyteorder("=")
 
     def _npy(self):
         try:
@@ -79,20 +88,49 @@ class _Source:
         except (ValueError, OSError, EOFError) as exc:
             raise LayoutError(f"{self.what}: {self.path} is not a readable .npy file: {exc}") from exc
 
+    def _h5(self):
+        try:
+            return _h5py().File(self.path, "r")
+        except OSError as exc:
+            raise LayoutError(f"{self.what}: {self.path} is not a readable HDF5 file: {exc}") from exc
+
+    def _dataset(self, fh):
+        h5py = _h5py()
+        if self.h5_dataset not in fh:
+            names = []
+            fh.visititems(lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None)
+            raise LayoutError(f"{self.what}: {self.path} has no dataset {self.h5_dataset!r} (datasets: "
+                              f"{sorted(names)[:10]}); pass h5_dataset=... (CLI: --h5-dataset)")
+        dset = fh[self.h5_dataset]
+        if not isinstance(dset, h5py.Dataset):
+            raise LayoutError(f"{self.what}: {self.path}: {self.h5_dataset!r} is a {type(dset).__name__}, not a dataset")
+        return dset
+
+    def _native(self, block) -> np.ndarray:
+        return np.asarray(block).astype(self.dtype, copy=False)
+
     def take(self, rows: np.ndarray) -> np.ndarray:
-        """Rows ``rows`` (int64, any order) as an in-memory array."""
+        """Rows ``rows`` (int64, any order, repeats allowed) as an in-memory array of ``dtype``."""
+        rows = np.asarray(rows, dtype=np.int64)
         if self.kind == "npy":
-            return np.asarray(self._npy()[rows])
+            return self._native(self._npy()[rows])
+        if rows.size == 0:
+            return np.empty((0, self.shape[1]), dtype=self.dtype)
         uniq, inverse = np.unique(rows, return_inverse=True)
-        with _h5py().File(self.path, "r") as fh:
-            data = fh[self.h5_dataset][uniq]  # h5py needs increasing indices
-        return np.asarray(data)[inverse]
+        with self._h5() as fh:
+            dset = self._dataset(fh)
+            lo, hi = int(uniq[0]), int(uniq[-1]) + 1
+            if hi - lo <= 4 * uniq.size + 1024:  # dense: one hyperslab read beats a point selection
+                data = np.asarray(dset[lo:hi])[uniq - lo]
+            else:
+                data = np.asarray(dset[uniq])  # h5py needs increasing indices
+        return self._native(data[inverse])
 
     def slice(self, lo: int, hi: int) -> np.ndarray:
         if self.kind == "npy":
-            return np.asarray(self._npy()[lo:hi])
-        with _h5py().File(self.path, "r") as fh:
-            return np.asarray(fh[self.h5_dataset][lo:hi])
+            return self._native(self._npy()[lo:hi])
+        with self._h5() as fh:
+            return self._native(self._dataset(fh)[lo:hi])
 
 
 def _slide_paths(spec, slides: list[str], *, encoder: str) -> dict[str, Path]:
@@ -108,14 +146,19 @@ def _slide_paths(spec, slides: list[str], *, encoder: str) -> dict[str, Path]:
     folder = Path(text)
     if not folder.is_dir():
         raise CacheNotFoundError(f"encoder {encoder!r}: slide folder not found: {folder}")
-    out = {}
+    out, missing = {}, []
     for s in slides:
-        for suffix in (".npy", ".h5", ".hdf5"):
+        for suffix in _SLIDE_SUFFIXES:
             if (folder / f"{s}{suffix}").is_file():
                 out[s] = folder / f"{s}{suffix}"
                 break
         else:
-            out[s] = folder / f"{s}.npy"  # reported as missing by _Source
+            missing.append(s)
+    if missing:
+        raise CacheNotFoundError(f"encoder {encoder!r}, slide {missing[0]!r}: file not found: none of "
+                                 f"{[f'{missing[0]}{x}' for x in _SLIDE_SUFFIXES]} in {folder}; "
+                                 f"{len(missing)} manifest slide(s) have no file: {missing[:5]}"
+                                 f"{' (and more)' if len(missing) > 5 else ''}")
     return out
 
 
@@ -197,8 +240,13 @@ def import_cache(
             dims = {src.shape[1] for src in sources}
             dtypes = {src.dtype for src in sources}
             if len(dims) != 1 or len(dtypes) != 1:
+                first = sources[0]
+                odd = next(i for i, src in enumerate(sources) if (src.shape[1], src.dtype) != (first.shape[1], first.dtype))
                 raise LayoutError(f"encoder {name!r}: slide files disagree on dim {sorted(dims)} or dtype "
-                                  f"{sorted(str(d) for d in dtypes)}; every slide of one encoder needs the same")
+                                  f"{sorted(str(d) for d in dtypes)}; every slide of one encoder needs the same "
+                                  f"(slide {slides[0]!r}: {first.path} has dim {first.shape[1]}, {first.dtype}; "
+                                  f"slide {slides[odd]!r}: {sources[odd].path} has dim {sources[odd].shape[1]}, "
+                                  f"{sources[odd].dtype})")
             file_rows = np.asarray([src.shape[0] for src in sources], dtype=np.int64)
             if tile_index_column is None:
                 off = np.flatnonzero(file_rows != counts)

@@ -449,6 +449,13 @@ class Cache:
             _VALIDATED[key] = signature
         return meta
 
+    def verify(self, *, checksums: bool = True, finite: bool = True) -> list:
+        """Check the whole cache and return every problem found (an empty list when healthy); see
+        :func:`cachescore.cache.verify.verify_cache`. Never raises for a data problem."""
+        from .verify import verify_cache
+
+        return verify_cache(self, checksums=checksums, finite=finite)
+
     def info(self) -> dict:
         """Cache-level ``cache.json`` content ({} when absent)."""
         path = self.root / "cache.json"

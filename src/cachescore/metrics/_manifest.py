@@ -242,19 +242,35 @@ def dataset_name(frame: pd.DataFrame) -> str:
     return value or "dataset"
 
 
-def _codes(values: pd.Series) -> np.ndarray:
-    return pd.factorize(values)[0].astype(np.int64)
+def _first_appearance_codes(x: np.ndarray) -> np.ndarray:
+    """``pandas.factorize`` codes of an int array (0, 1, 2, ... in order of first appearance)."""
+    if x.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    _, first, inverse = np.unique(x, return_index=True, return_inverse=True)
+    rank = np.empty(first.size, dtype=np.int64)
+    rank[np.argsort(first, kind="stable")] = np.arange(first.size)
+    return rank[inverse.ravel()]
 
 
-def _scope(frame: pd.DataFrame, subset: str, rows: np.ndarray) -> Scope:
-    part = frame.iloc[rows]
+def _scope(subset: str, rows: np.ndarray, labels: np.ndarray, confounders: np.ndarray, groups: np.ndarray) -> Scope:
+    """Build a scope from manifest-wide integer codes restricted to ``rows``."""
     return Scope(
         subset=subset,
         rows=rows.astype(np.int64),
-        labels=_codes(part["label"]),
-        confounders=_codes(part["confounder"]),
-        groups=_codes(part[GROUP_COLUMN]),
+        labels=_first_appearance_codes(labels[rows]),
+        confounders=_first_appearance_codes(confounders[rows]),
+        groups=_first_appearance_codes(groups[rows]),
     )
+
+
+def _is_complete_2x2(labels: np.ndarray, confounders: np.ndarray) -> bool:
+    """Exactly 2 labels, exactly 2 confounders, and all 4 cells occupied."""
+    n_labels = np.unique(labels).size
+    n_confounders = np.unique(confounders).size
+    if n_labels != 2 or n_confounders != 2:
+        return False
+    cells = np.unique(labels.astype(np.int64) * (int(confounders.max()) + 1) + confounders)
+    return cells.size == 4
 
 
 def build_scopes(frame: pd.DataFrame, design: str, *, validate_subsets: bool = True) -> tuple[Scope, ...]:
@@ -263,10 +279,14 @@ def build_scopes(frame: pd.DataFrame, design: str, *, validate_subsets: bool = T
     ``all``: one scope of every row. ``paired_2x2``: one scope per subset, in sorted string order;
     with ``validate_subsets`` (the public ``compute`` paths) any subset that is not a complete 2x2
     raises ``ValueError`` listing the subset IDs; without it (``recommend_tau``) such subsets are
-    skipped.
+    skipped. Codes are computed once manifest-wide and re-factorised per scope with numpy, so
+    thousands of subsets cost milliseconds.
     """
+    labels = pd.factorize(frame["label"])[0].astype(np.int64)
+    confounders = pd.factorize(frame["confounder"])[0].astype(np.int64)
+    groups = pd.factorize(frame[GROUP_COLUMN])[0].astype(np.int64)
     if design == "all":
-        return (_scope(frame, ALL_SCOPE_ID, np.arange(len(frame))),)
+        return (_scope(ALL_SCOPE_ID, np.arange(len(frame)), labels, confounders, groups),)
     if "subset" not in frame.columns:
         raise ValueError("the paired_2x2 design needs a 'subset' column defining subset membership")
     subsets = frame["subset"].to_numpy(dtype=object)
@@ -281,13 +301,10 @@ def build_scopes(frame: pd.DataFrame, design: str, *, validate_subsets: bool = T
     scopes, invalid = [], []
     for subset in sorted(by_subset):
         rows = by_subset[subset]
-        part = frame.iloc[rows]
-        cells = part.groupby(["label", "confounder"], sort=False).size()
-        complete = part["label"].nunique() == 2 and part["confounder"].nunique() == 2 and len(cells) == 4
-        if not complete:
+        if not _is_complete_2x2(labels[rows], confounders[rows]):
             invalid.append(subset)
             continue
-        scopes.append(_scope(frame, subset, rows))
+        scopes.append(_scope(subset, rows, labels, confounders, groups))
     if invalid and validate_subsets:
         raise ValueError(
             "paired_2x2 needs every subset to be a complete 2x2 (exactly 2 labels x 2 confounders, "

@@ -81,6 +81,13 @@ def _scope_schedule(u, scope: Scope, so: np.ndarray, os_: np.ndarray, *, start_k
     radius = np.maximum(so[:, -1], os_[:, -1])
     if not np.isfinite(radius).all():
         return croma_schedule(n, start_k, k_growth_factor, math.inf)
+    # Cheap bracket: every unit needs at least its 2*m_max typed rows and at most its whole
+    # cross-group pool. When both bounds give the same schedule, no counting pass is needed.
+    m_max = so.shape[1]
+    upper = n - int(np.unique(scope.groups, return_counts=True)[1].min())
+    lower = min(2 * m_max, upper)
+    if croma_schedule(n, start_k, k_growth_factor, lower) == croma_schedule(n, start_k, k_growth_factor, upper):
+        return croma_schedule(n, start_k, k_growth_factor, upper)
     slack = _COUNT_SLACK_EPS * float(np.finfo(u.dtype).eps)
     need = count_within(u, scope.groups, radius + slack)
     return croma_schedule(n, start_k, k_growth_factor, int(need.max()))

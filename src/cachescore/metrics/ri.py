@@ -107,7 +107,8 @@ class _Evaluation:
                     "samples to compute neighbours"
                 )
             check_finite_rows(self.features, scope.rows)
-            u = normalize_rows(self.features[scope.rows])
+            whole = scope.n == self.features.shape[0] and np.array_equal(scope.rows, np.arange(scope.n))
+            u = normalize_rows(self.features if whole else self.features[scope.rows])
             table = build_table(self.search, u, scope, self.width)
             self.tables[scope.subset] = table
         return table

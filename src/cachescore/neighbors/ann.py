@@ -67,6 +67,9 @@ GATHER_BYTES = 64 * 2**20
 #: Edge of the square distance tiles used by the brute-force paths (audit and small scopes).
 BRUTE_BLOCK = 2048
 
+#: Query rows handled at once by a graph search (bounds the candidate tables).
+QUERY_BLOCK = 16384
+
 #: Scopes with at most this many rows are searched by brute force (a graph would not pay off).
 BRUTE_MAX_ROWS = 2048
 
@@ -276,7 +279,10 @@ class _Scope:
         if not self.brute:
             from pynndescent import NNDescent
 
-            data = np.ascontiguousarray(u[rows], dtype=np.float32)
+            if rows.size == u.shape[0] and u.dtype == np.float32:
+                data = u  # pynndescent makes its own normalised float32 copy
+            else:
+                data = np.ascontiguousarray(u[rows], dtype=np.float32)
             self.index = NNDescent(
                 data,
                 metric=metric,
@@ -295,7 +301,7 @@ class _Scope:
             self._graph = np.where(local < 0, -1, self.rows[np.maximum(local, 0)])
         return self._graph
 
-    def candidates(self, qrows, width, epsilon, *, block=65536):
+    def candidates(self, qrows, width, epsilon, *, block=QUERY_BLOCK):
         """(|q|, width) global candidate indices from a graph query (-1 = none)."""
         width = int(min(width, self.rows.size))
         out = np.empty((qrows.size, width), dtype=np.int64)
@@ -315,25 +321,33 @@ class _Scope:
         nb[kept[:, :n_expand] < 0] = -1
         return nb.reshape(kept.shape[0], -1)
 
-    def search(self, qrows, k, *, width, epsilon, kept=None, n_expand=0):
+    def search(self, qrows, k, *, width, epsilon, kept=None, n_expand=0, block=QUERY_BLOCK):
         """Exact-refined top-k of ``qrows`` within this scope; ``kept`` (from a previous round)
-        and its graph neighbours are added to the candidates."""
+        and its graph neighbours are added to the candidates. Queries run in blocks of ``block``
+        rows, so candidate tables never exceed ``block × (width + kmax·(1 + n_neighbors))``."""
         if self.brute:
             return _brute(self.u, self.groups, qrows, self.rows, k)
-        parts = [self.candidates(qrows, width, epsilon)]
-        if kept is not None:
-            parts.append(kept)
-            if n_expand > 0:
-                parts.append(self.neighbours_of(kept, n_expand))
-        zero = _zero_rows(self.u, qrows)
-        if zero.any():
-            # A zero row is at distance exactly 1 from every row: its answer is the lowest
-            # indices outside its group, which the graph cannot propose.
-            first = self.rows[: min(self.rows.size, k + self.gmax + 1)]
-            extra = np.full((qrows.size, first.size), -1, dtype=np.int64)
-            extra[zero] = first
-            parts.append(extra)
-        return _refine(self.u, self.groups, qrows, np.concatenate(parts, axis=1), k)
+        out_i = np.empty((qrows.size, k), dtype=np.int64)
+        out_d = np.empty((qrows.size, k), dtype=np.float64)
+        for s in range(0, qrows.size, block):
+            q = qrows[s : s + block]
+            parts = [self.candidates(q, width, epsilon)]
+            if kept is not None:
+                parts.append(kept[s : s + block])
+                if n_expand > 0:
+                    parts.append(self.neighbours_of(kept[s : s + block], n_expand))
+            zero = _zero_rows(self.u, q)
+            if zero.any():
+                # A zero row is at distance exactly 1 from every row: its answer is the lowest
+                # indices outside its group, which the graph cannot propose.
+                first = self.rows[: min(self.rows.size, k + self.gmax + 1)]
+                extra = np.full((q.size, first.size), -1, dtype=np.int64)
+                extra[zero] = first
+                parts.append(extra)
+            out_i[s : s + block], out_d[s : s + block] = _refine(
+                self.u, self.groups, q, np.concatenate(parts, axis=1), k
+            )
+        return out_i, out_d
 
 
 def _zero_rows(u, rows, block=65536) -> np.ndarray:

@@ -10,12 +10,15 @@ Order contract: each output row is sorted by ``(distance, scope row index)`` asc
 distances are broken by the smaller index (spec §3.4: the reference's own tie order is
 platform-defined; ours is deterministic).
 
-Selection works on a per-row threshold: once a row holds ``kmax`` candidates, a later entry can
-enter only if its distance is strictly below the current ``kmax``-th distance (column blocks are
-visited in increasing index order, so an equal distance always loses the index tie-break). When a
-block would let many entries through (the first block of every row block), the block's own
-``kmax``-th smallest value per row tightens the threshold first (``np.partition``, O(block)).
-Survivors are merged with the running lists by one ``lexsort`` on ``(row, distance, index)``.
+Selection works on the similarity block ``S = Q @ X.T`` with a per-row bound, so the full block
+is touched only by the GEMM, one comparison and one ``flatnonzero``: once a row holds ``kmax``
+entries, a later entry can enter only if its distance is strictly below the current ``kmax``-th
+distance ``t`` (column blocks are visited in increasing index order, so an equal distance always
+loses the index tie-break), which implies ``S > 1 - t - ulp``; in the first block the
+``kmax``-th largest similarity over a column sample gives the bound. The bound keeps a small
+slack (a superset of the true survivors). Exact distances ``clip(1 - S, 0, 2)`` — the same
+arithmetic as :func:`~cachescore.neighbors.normalize.cosine_distance_block` — are computed for
+the survivors only, and merged with the running lists by one sort on ``(row, distance, index)``.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def _check_inputs(u: np.ndarray, groups: np.ndarray, kmax: int):
         raise ValueError(f"groups must have shape ({u.shape[0]},), got {groups.shape}")
     if int(kmax) <= 0:
         raise ValueError(f"kmax must be > 0, got {kmax}")
-    if not np.issubdtype(groups.dtype, np.integer):
+    if not np.issubdtype(groups.dtype, np.integer) or (groups.size and int(groups.min()) < 0):
         groups = np.unique(groups, return_inverse=True)[1]
     return np.ascontiguousarray(u), groups.astype(np.int64, copy=False)
 
@@ -121,7 +124,11 @@ def cross_group_knn(u, groups, kmax: int, *, block_rows: int | None = None, bloc
     n_groups = int(groups.max()) + 1 if n else 0
     starts = np.zeros(n_groups + 1, dtype=np.int64)
     np.cumsum(np.bincount(groups, minlength=n_groups), out=starts[1:])
+    if block_rows is None:  # bound the same-group pair lists (rows x largest group) per row block
+        br = min(br, max(64, (1 << 22) // int(np.diff(starts).max())))
     kk = min(k, n)  # never more than n entries can be kept
+    # similarity slack covering the rounding of 1 - S (a few ulp near 1) and of the bound's cast
+    margin = 1e-6 if u.dtype == np.float32 else 4e-15
 
     for r0 in range(0, n, br):
         r1 = min(n, r0 + br)
@@ -133,37 +140,48 @@ def cross_group_knn(u, groups, kmax: int, *, block_rows: int | None = None, bloc
         thresh = np.full(rb, np.inf, dtype=np.float64)
         for c0 in range(0, n, bc):
             c1 = min(n, c0 + bc)
-            block = cosine_distance_block(q, u[c0:c1])
+            sim = q @ u[c0:c1].T  # one GEMM; distances are derived only for candidates
             lo, hi = np.searchsorted(pair_cols, [c0, c1])
             if hi > lo:
-                block[pair_rows[lo:hi], pair_cols[lo:hi] - c0] = np.inf
+                sim[pair_rows[lo:hi], pair_cols[lo:hi] - c0] = -np.inf
             width = c1 - c0
             if width > kk and np.isinf(thresh).all():
-                # nothing kept yet (first block): the block's own kk-th value bounds the survivors
-                kth = np.partition(block, kk - 1, axis=1)[:, kk - 1]
-                rows, cols = np.nonzero(block <= kth[:, None])
-                if np.isinf(kth).any():  # rows with fewer than kk cross-group entries here
-                    keep = np.isfinite(block[rows, cols])
-                    rows, cols = rows[keep], cols[keep]
+                # Nothing kept yet (first block): the kk-th largest similarity over a column
+                # sample bounds the row's kk-th nearest from above.
+                sample = min(width, max(16 * kk, 1024))
+                if sample > kk:
+                    s_k = np.partition(sim[:, :sample], sample - kk, axis=1)[:, sample - kk].astype(np.float64)
+                    # clip(1 - S, 0, 2) ties every S >= 1 at 0 and every S <= -1 at 2: keep them all
+                    low = np.minimum(s_k, 1.0) - margin
+                    low[s_k <= -1.0 + margin] = -np.inf
+                else:
+                    low = np.full(rb, -np.inf)
             else:
-                # float64 thresholds are float32 values (or inf), so the cast is exact
-                limit = thresh.astype(block.dtype)
-                rows, cols = np.nonzero(block < limit[:, None])
-                if width > kk and rows.size > 2 * rb * kk:
-                    kth = np.minimum(np.partition(block, kk - 1, axis=1)[:, kk - 1], limit)
-                    keep = block[rows, cols] <= kth[rows]
-                    rows, cols = rows[keep], cols[keep]
-            if rows.size == 0:
+                # d < t  implies  S > 1 - t - ulp: a superset, refined exactly in the merge
+                low = (1.0 - thresh) - margin
+            flat = np.flatnonzero(sim >= low.astype(sim.dtype)[:, None])
+            if flat.size == 0:
                 continue
-            cand_d = block[rows, cols].astype(np.float64)
-            cand_i = cols.astype(np.int64) + c0
-            # Merge with the running lists: sort by (row, distance, index), keep kk per row.
+            cand_s = sim.ravel()[flat]
+            finite = cand_s > -np.inf  # rows without a bound also let masked entries through
+            if not finite.all():
+                flat, cand_s = flat[finite], cand_s[finite]
+            rows, cols = np.divmod(flat, width)
+            # exactly cosine_distance_block's arithmetic, on the candidates only
+            cand_d = np.clip(np.subtract(1, cand_s), 0, 2).astype(np.float64)
+            cand_i = cols + c0
+            # Merge with the running lists (old entries first: they have smaller indices), order
+            # each row by (distance, index) and keep its first kk.
             keep_old = np.isfinite(best_d)
-            old_rows = np.nonzero(keep_old)[0]
-            all_rows = np.concatenate([old_rows, rows.astype(np.int64)])
+            all_rows = np.concatenate([np.nonzero(keep_old)[0], rows])
             all_d = np.concatenate([best_d[keep_old], cand_d])
             all_i = np.concatenate([best_i[keep_old], cand_i])
-            perm = np.lexsort((all_i, all_d, all_rows))
+            if sim.dtype == np.float32:
+                # row * 4 + d is exact in float64 for float32 d in [0, 2]; the stable sort keeps
+                # index order among equal distances (old before new, each already index-ordered)
+                perm = np.argsort(all_rows * 4.0 + all_d, kind="stable")
+            else:
+                perm = np.lexsort((all_i, all_d, all_rows))
             all_rows, all_d, all_i = all_rows[perm], all_d[perm], all_i[perm]
             first = np.searchsorted(all_rows, np.arange(rb))
             rank = np.arange(all_rows.size) - first[all_rows]

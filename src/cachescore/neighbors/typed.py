@@ -9,13 +9,16 @@ Layout of the computation (no per-row Python loop, no N×N matrix):
 
 * rows are permuted once (by cell, then group) so that every cell is a contiguous slice and
   same-group masks are only built for tiles whose group ranges overlap;
-* for each query cell, query row blocks × target-cell column blocks are multiplied as one GEMM
-  (:func:`~cachescore.neighbors.normalize.cosine_distance_block`, in the rows' dtype: float32 stays
-  float32), same-group entries are set to ``+inf``, each block is reduced to its per-row ``m``
-  smallest values with ``np.partition`` and merged into a running ``(b, m)`` buffer;
+* for each pair of cells in an SO or OS relation, row blocks of one cell × row blocks of the
+  other are multiplied as one GEMM (:func:`~cachescore.neighbors.normalize.cosine_distance_block`,
+  in the rows' dtype: float32 stays float32); same-group entries are set to ``+inf``; the tile is
+  reduced to the ``m`` smallest values per row *and* per column with ``np.partition`` (the
+  relations are symmetric, so each pair distance is computed once) and merged into running
+  ``(n, m)`` buffers;
 * the buffers are sorted once at the end.
 
-Peak extra memory is one permuted copy of ``u`` plus ``O(block_rows²)`` per tile.
+Peak extra memory is one permuted copy of ``u``, two ``(n, m)`` buffers and ``O(block_rows²)``
+per tile.
 
 :func:`count_within` is the companion counting pass used to reproduce croma's search-schedule
 diagnostics (``k_final``, ``retries``) without growing a window.
@@ -101,6 +104,47 @@ def typed_knn(u, labels, confounders, groups, m, *, block_rows=None):
     os_out = np.full((n, m), np.inf, dtype=np.float64)
     if n < 2:
         return so_out, os_out
+
+    lab = np.unique(labels, return_inverse=True)[1].ravel().astype(np.int64)
+    con = np.unique(confounders, return_inverse=True)[1].ravel().astype(np.int64)
+    n_con = int(con.max()) + 1
+    cell_ids, cell_of = np.unique(lab * n_con + con, return_inverse=True)
+    cell_of = cell_of.ravel()
+    cell_keys = np.stack([cell_ids // n_con, cell_ids % n_con], axis=1)  # (label, confounder) per cell
+    order = np.lexsort((np.asarray(groups), cell_of))  # by cell, then group: cells are slices
+    starts = np.concatenate([[0], np.cumsum(np.bincount(cell_of, minlength=len(cell_keys)))])
+    us = np.ascontiguousarray(u[order])
+    gs = np.asarray(groups)[order]
+    cell_groups = [np.unique(gs[starts[c] : starts[c + 1]]) for c in range(len(cell_keys))]
+    inf = np.array(np.inf, dtype=us.dtype)
+    best = {"so": np.full((n, m), inf, dtype=us.dtype), "os": np.full((n, m), inf, dtype=us.dtype)}
+
+    # SO and OS are symmetric relations between cells, so each unordered cell pair is multiplied
+    # once and every tile is reduced along both axes (rows for the first cell, columns for the
+    # second): the GEMM work is half of a per-query search.
+    for q in range(len(cell_keys)):
+        for t in range(q + 1, len(cell_keys)):
+            same_label = cell_keys[q, 0] == cell_keys[t, 0]
+            same_conf = cell_keys[q, 1] == cell_keys[t, 1]
+            if same_label == same_conf:
+                continue  # SS pairs never occur between distinct cells; OO pairs are untyped
+            buf = best["so" if same_label else "os"]
+            shared = np.intersect1d(cell_groups[q], cell_groups[t]).size > 0
+            for qs in range(starts[q], starts[q + 1], b):
+                qe = min(qs + b, starts[q + 1])
+                for ts in range(starts[t], starts[t + 1], b):
+                    te = min(ts + b, starts[t + 1])
+                    dist = cosine_distance_block(us[qs:qe], us[ts:te])
+                    # groups are sorted inside each cell, so a tile can hold a same-group pair
+                    # only when the two group ranges overlap
+                    if shared and gs[qe - 1] >= gs[ts] and gs[te - 1] >= gs[qs]:
+                        np.copyto(dist, inf, where=gs[qs:qe, None] == gs[None, ts:te])
+                    buf[qs:qe] = _keep_smallest(np.concatenate([buf[qs:qe], _keep_smallest(dist, m)], axis=1), m)
+                    cols = np.ascontiguousarray(dist.T)
+                    buf[ts:te] = _keep_smallest(np.concatenate([buf[ts:te], _keep_smallest(cols, m)], axis=1), m)
+    so_out[order] = np.sort(best["so"], axis=1)
+    os_out[order] = np.sort(best["os"], axis=1)
+    return so_out, os_out
 
     lab = np.unique(labels, return_inverse=True)[1].ravel().astype(np.int64)
     con = np.unique(confounders, return_inverse=True)[1].ravel().astype(np.int64)

@@ -265,6 +265,8 @@ def audit_sweep(
     test_set_groups: Mapping[str, Mapping[str, Any]] | None = None,
     test_set_confounders: Mapping[str, Any] | None = None,
     raise_on_leakage: bool = True,
+    require_class_coverage: bool = True,
+    require_seen_id_centres: bool = True,
 ) -> dict:
     """Audit every (replicate, split) outcome of a sweep; return a JSON-serialisable report.
 
@@ -283,6 +285,12 @@ def audit_sweep(
     test_set_confounders : ``{name: codes (n,)}`` in the ``confounders`` code space; a code seen
         in train / val / in-domain test is critical ``ood_centre``.
     raise_on_leakage : raise :class:`LeakageError` (carrying the report) on any critical breach.
+    require_class_coverage : (default True, spec rule 9) a role (train / val / in_domain) that
+        lacks a class of the task is critical ``missing_class:<role>``; False records it in
+        ``per_outcome[...]["missing_classes"]`` and as a warning only (an explicit relaxation,
+        listed in ``report["relaxed"]``).
+    require_seen_id_centres : (default True, spec rule 6) an in-domain test centre absent from
+        train is critical ``id_centre_unseen`` (needs ``confounders``); False relaxes it.
 
     Raises
     ------
@@ -360,6 +368,19 @@ def audit_sweep(
         for ts, v in ts_conf_codes.items():
             conf_off[ts] = (o, o + v.shape[0])
             o += v.shape[0]
+
+    if confounders is not None:
+        _cv = np.asarray(confounders)
+        if _cv.shape != (n_rows,):
+            raise ValueError(f"confounders must have shape ({n_rows},), got {_cv.shape}")
+        conf_all_codes, _cu = pd.factorize(pd.Series(_cv, copy=False), sort=True)
+        conf_all_codes = conf_all_codes.astype(np.int64)
+        conf_uniques = [_py(u) for u in _cu]
+        n_conf_codes = len(conf_uniques)
+        if require_seen_id_centres:
+            checks.append("id_centre_unseen")
+    if labels is not None and require_class_coverage:
+        checks.append("missing_class")
 
     for ts in test_set_sizes:
         if ts not in offsets:
@@ -475,10 +496,30 @@ def audit_sweep(
         if labels is not None:
             for role in ROLES:
                 absent = np.setdiff1d(task_classes, lab_codes[rows[role]])
-                if absent.size:
+                if absent.size and not require_class_coverage:
                     missing_cls[role] = [task_class_values[i] for i in absent.tolist()]
                     warnings.append(f"replicate {r_py}, split {s_py}: {role} lacks class(es) "
                                     f"{missing_cls[role]}")
+                elif absent.size:
+                    missing_cls[role] = [task_class_values[i] for i in absent.tolist()]
+                    # rule 9: critical -- a role without a class cannot score that class
+                    breaches.append({
+                        "level": f"missing_class:{role}", "replicate": r_py, "split": s_py,
+                        "roles": [role], "n_ids": int(absent.size),
+                        "ids": missing_cls[role][:MAX_EXAMPLE_IDS], "n_rows": 0, "rows": [],
+                    })
+        if confounders is not None and require_seen_id_centres:
+            # rule 6: a centre of the in-domain test rows never seen in training
+            cc = conf_all_codes
+            unseen = _presence(cc[rows["in_domain"]], n_conf_codes) & ~_presence(cc[rows["train"]], n_conf_codes)
+            if unseen.any():
+                trows = rows["in_domain"][unseen[cc[rows["in_domain"]]]]
+                breaches.append({
+                    "level": "id_centre_unseen", "replicate": r_py, "split": s_py,
+                    "roles": ["train", "in_domain"], "n_ids": int(unseen.sum()),
+                    "ids": [conf_uniques[i] for i in np.flatnonzero(unseen)[:MAX_EXAMPLE_IDS]],
+                    "n_rows": int(trows.size), "rows": np.unique(trows)[:MAX_EXAMPLE_ROWS].tolist(),
+                })
         per_outcome.append({
             "replicate": r_py, "split": s_py, "seed": _py(getattr(oc, "seed", None)),
             "n_train": int(rows["train"].size), "n_val": int(rows["val"].size),
@@ -524,6 +565,8 @@ def audit_sweep(
         "critical": critical,
         "breaches": breaches,
         "warnings": warnings,
+        "relaxed": [name for name, on in (("missing_class", require_class_coverage),
+                                          ("id_centre_unseen", require_seen_id_centres)) if not on],
         "per_outcome": per_outcome,
     }
     if breaches and raise_on_leakage:

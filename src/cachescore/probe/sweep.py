@@ -307,13 +307,17 @@ def _replay(
             _default_arrange(cells, rows_per_slide, rng)
         else:
             _custom_arrange(cells, rows_per_slide, arrange_slides, rng)
+        tails: dict[int, np.ndarray] = {}  # the held-out tail is shared by splits with equal mts
         for s, plan in enumerate(plans):
             train = [cells[i][j][:take] for i, j, take in plan.split_map]
             val = [
                 cells[i][j][take : take + reserve]
                 for (i, j, take), reserve in zip(plan.split_map, plan.reserves)
             ]
-            test = [order[plan.first_held_out :] for row in cells for order in row]
+            if plan.first_held_out not in tails:
+                tails[plan.first_held_out] = np.concatenate(
+                    [empty, *(order[plan.first_held_out :] for row in cells for order in row)]
+                )
             jobs.append(
                 ProbeJob(
                     replicate=r,
@@ -321,7 +325,7 @@ def _replay(
                     seed=replicate_seed,
                     train_rows=np.concatenate([empty, *train]),
                     val_rows=np.concatenate([empty, *val]),
-                    test_rows=np.concatenate([empty, *test]),
+                    test_rows=tails[plan.first_held_out],
                 )
             )
     return jobs

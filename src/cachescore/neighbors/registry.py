@@ -1,0 +1,105 @@
+"""Neighbour backends by name: ``"exact"`` (blocked GEMM), ``"ann"`` (pynndescent + exact refinement)
+and ``"auto"`` (chosen per scope from its size by :func:`choose_backend`).
+
+Every backend provides the same two functions with the same return contracts, so the metrics never
+branch on the backend:
+
+* ``cross_group_knn(u, groups, kmax) -> (idx, dist)``  (n, kmax) int64 / float64, (-1, +inf) padded;
+* ``typed_knn(u, labels, confounders, groups, m) -> (so_dist, os_dist)``  (n, m) float64.
+
+Backend modules are imported on first use, so importing the registry is cheap and does not pull in
+numba.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+__all__ = [
+    "BACKEND_NAMES",
+    "DEFAULT_AUTO_THRESHOLD",
+    "Backend",
+    "choose_backend",
+    "get_backend",
+    "resolve_backend",
+]
+
+#: Names accepted by :func:`resolve_backend` (``"auto"`` resolves to one of the others).
+BACKEND_NAMES = ("exact", "ann", "auto")
+
+#: ``auto`` switches to ``ann`` when a scope's exact search costs more than this many
+#: multiply-adds (``n² · d``): about 80,000 rows at d = 768. A first estimate from
+#: ``benchmarks/cache_scale.py`` (exact ~ n²d, ann ~ n·d·(kmax + G)·c with a large constant);
+#: recalibrate on the target machine with that script.
+DEFAULT_AUTO_THRESHOLD = 5e12
+
+# name -> (module, cross-group function, typed function), relative to this package
+_TABLE = {
+    "exact": (("exact", "cross_group_knn"), ("typed", "typed_knn")),
+    "ann": (("ann", "cross_group_knn_ann"), ("ann", "typed_knn_ann")),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Backend:
+    """One neighbour backend: its ``name`` and its two search functions (contracts above)."""
+
+    name: str
+    cross_group_knn: Callable
+    typed_knn: Callable
+
+
+def _load(module: str, attr: str) -> Callable:
+    return getattr(importlib.import_module(f"{__package__}.{module}"), attr)
+
+
+def get_backend(name: str) -> Backend:
+    """The backend registered as ``name`` (``"exact"`` or ``"ann"``).
+
+    Raises
+    ------
+    ValueError
+        Unknown name (``"auto"`` must first be resolved with :func:`resolve_backend`).
+    """
+    if name not in _TABLE:
+        raise ValueError(
+            f"unknown neighbour backend {name!r}; expected one of {sorted(_TABLE)} "
+            f"(resolve 'auto' with resolve_backend(name, n, d))"
+        )
+    (m1, f1), (m2, f2) = _TABLE[name]
+    return Backend(name=name, cross_group_knn=_load(m1, f1), typed_knn=_load(m2, f2))
+
+
+def choose_backend(n: int, d: int, threshold: float = DEFAULT_AUTO_THRESHOLD) -> str:
+    """``"exact"`` if an exact search over ``n`` rows of width ``d`` costs at most ``threshold``
+    multiply-adds (``n² · d``), else ``"ann"``.
+
+    Raises
+    ------
+    ValueError
+        Negative ``n`` or ``d``, or a non-positive ``threshold``.
+    """
+    n, d, threshold = int(n), int(d), float(threshold)
+    if n < 0 or d < 0:
+        raise ValueError(f"n and d must be >= 0, got n={n}, d={d}")
+    if not threshold > 0:
+        raise ValueError(f"threshold must be > 0, got {threshold}")
+    return "exact" if float(n) * float(n) * float(d) <= threshold else "ann"
+
+
+def resolve_backend(name: str, n: int, d: int, threshold: float = DEFAULT_AUTO_THRESHOLD) -> Backend:
+    """The backend to use for a scope of ``n`` rows × ``d``: ``name`` itself, or for ``"auto"``
+    the one :func:`choose_backend` picks.
+
+    Raises
+    ------
+    ValueError
+        ``name`` not in :data:`BACKEND_NAMES`.
+    """
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown neighbour backend {name!r}; expected one of {list(BACKEND_NAMES)}")
+    if name == "auto":
+        name = choose_backend(n, d, threshold)
+    return get_backend(name)

@@ -1,0 +1,513 @@
+"""A self-contained static HTML report of a results store.
+
+:func:`build_report` reads a results store (:class:`~cachescore.store.ResultsStore`) and writes one
+HTML file with no external resources (inline CSS and SVG, no JavaScript, no new dependency):
+
+* **Leaderboards**, one per (view, design, metric[, m]): encoders ranked by ``value`` (descending;
+  higher is more robust; NaN ranks last and gets no rank; equal values share a rank), with std,
+  the lower tail (q_alpha, LTM_alpha), F0, support, k, tau, m, recall, backend and timing where
+  the records carry them. When several records exist for the same encoder in one group (a
+  re-score after a change of parameters or inputs), the most recent one is ranked and the others
+  are counted as superseded.
+* **Distributions**: a histogram (inline SVG) of each ranked record's per-unit values, with bins
+  shared across the encoders of a group so that the panels compare; the pooled value and q_alpha
+  are marked.
+* **Failures**: every failed unit without a later success, with its error.
+* **Provenance** of the latest run (by start time): versions, job, cache/store paths, unit counts,
+  timings, hardware, a link to the Dask performance report when the file exists, and a list of
+  earlier runs.
+* **Cache** (only with ``cache=``): encoders × tilesets, views, and which encoder × view pairs
+  have scores.
+
+Every string that comes from the store, the cache or provenance is HTML-escaped. The file is
+written atomically (a ``.partial`` sibling renamed into place) and replaces an earlier report.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+from urllib.parse import quote
+
+import numpy as np
+import pandas as pd
+
+__all__ = ["build_report"]
+
+#: Histogram bins per distribution panel.
+HIST_BINS = 24
+#: Display names of the metric families as stored in the ``metric`` column.
+METRIC_NAMES = {"ri": "RI", "mari": "MaRI", "croma": "CRoMa"}
+#: Leaderboard columns after rank/encoder/value, shown only when some record of the group has them:
+#: (column in the scores table, header).
+LEADERBOARD_COLUMNS = (
+    ("std", "std"), ("q_alpha", "q<sub>α</sub>"), ("ltm_alpha", "LTM<sub>α</sub>"), ("f0", "F0"),
+    ("support", "support"), ("n_units", "units"), ("k", "k"), ("tau", "τ"), ("m", "m"),
+    ("recall", "recall"), ("backend", "backend"), ("seconds", "seconds"),
+)
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px;color:#1b1f24;max-width:1400px}
+h1{font-size:1.6em;margin-bottom:4px}h2{border-bottom:2px solid #d0d7de;padding-bottom:4px;margin-top:36px}
+h3{margin:22px 0 6px 0;font-size:1.1em}.muted{color:#57606a;font-size:.9em}
+table{border-collapse:collapse;margin:6px 0 12px 0;font-size:.88em}
+th,td{border:1px solid #d0d7de;padding:3px 8px;text-align:left;vertical-align:top}
+th{background:#f6f8fa}td.num{text-align:right;font-variant-numeric:tabular-nums}
+tr.nan td{color:#8c959f}.bar{display:inline-block;height:9px;background:#0969da;margin-right:6px;vertical-align:middle}
+pre{white-space:pre-wrap;word-break:break-word;margin:0;font-size:.95em}
+.panels{display:flex;flex-wrap:wrap;gap:12px}.panel{border:1px solid #d0d7de;padding:6px;border-radius:4px}
+.panel .t{font-size:.85em;font-weight:600}.ok{color:#1a7f37}.bad{color:#cf222e}
+nav a{margin-right:12px}code{font-size:.9em}
+"""
+
+
+# -- small formatting helpers ------------------------------------------------------------------
+def _e(value) -> str:
+    """``html.escape`` of ``str(value)`` (quotes included); None -> ``""``."""
+    return "" if value is None else html.escape(str(value), quote=True)
+
+
+def _missing(value) -> bool:
+    if value is None or value is pd.NA or value is pd.NaT:
+        return True
+    try:
+        return bool(isinstance(value, (float, np.floating)) and math.isnan(value))
+    except TypeError:
+        return False
+
+
+def _num(value, digits: int = 4) -> str:
+    """A table cell's text: floats with ``digits`` decimals, ints as such, missing as an em dash."""
+    if _missing(value):
+        return "—"
+    if isinstance(value, (bool, np.bool_)):
+        return _e(bool(value))
+    if isinstance(value, (int, np.integer)):
+        return _e(int(value))
+    if isinstance(value, (float, np.floating)):
+        v = float(value)
+        if math.isinf(v):
+            return "∞" if v > 0 else "−∞"
+        return _e(f"{v:.{digits}f}")
+    return _e(value)
+
+
+def _metric_name(metric) -> str:
+    return METRIC_NAMES.get(str(metric), str(metric)) if not _missing(metric) else "?"
+
+
+def _params(text) -> dict:
+    if _missing(text):
+        return {}
+    try:
+        out = json.loads(text)
+    except (TypeError, ValueError):
+        return {}
+    return out if isinstance(out, dict) else {}
+
+
+def _table(headers: list[str], rows: list[list[str]], *, raw_headers: bool = False, row_classes=None) -> str:
+    """An HTML table; ``rows`` hold already-escaped cell HTML (``<td>`` added here)."""
+    head = "".join(f"<th>{h if raw_headers else _e(h)}</th>" for h in headers)
+    body = []
+    for i, cells in enumerate(rows):
+        cls = f' class="{row_classes[i]}"' if row_classes and row_classes[i] else ""
+        body.append(f"<tr{cls}>" + "".join(cells) + "</tr>")
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def _td(text_html: str, *, num: bool = False) -> str:
+    return f'<td class="num">{text_html}</td>' if num else f"<td>{text_html}</td>"
+
+
+# -- histogram ---------------------------------------------------------------------------------
+def histogram_svg(values: np.ndarray, edges: np.ndarray, *, marks: dict | None = None,
+                  width: int = 260, height: int = 96) -> str:
+    """Inline SVG of a histogram of the finite ``values`` over ``edges`` (increasing, length bins+1).
+
+    ``marks`` maps a label to an x value drawn as a vertical line (skipped when missing or outside
+    the edges). Returns an ``<svg>`` element; all text is escaped.
+    """
+    values = np.asarray(values, dtype=float)
+    values = values[np.isfinite(values)]
+    counts, _ = np.histogram(values, bins=edges)
+    pad_l, pad_b, pad_t = 4, 16, 4
+    plot_w, plot_h = width - 2 * pad_l, height - pad_b - pad_t
+    lo, hi = float(edges[0]), float(edges[-1])
+    span = hi - lo if hi > lo else 1.0
+    top = max(int(counts.max()) if counts.size else 0, 1)
+    x_of = lambda v: pad_l + (float(v) - lo) / span * plot_w
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+             f'viewBox="0 0 {width} {height}" role="img">',
+             f'<rect x="{pad_l}" y="{pad_t}" width="{plot_w}" height="{plot_h}" fill="#f6f8fa"/>']
+    for i, c in enumerate(counts):
+        if c == 0:
+            continue
+        x0, x1 = x_of(edges[i]), x_of(edges[i + 1])
+        h = c / top * plot_h
+        parts.append(f'<rect x="{x0:.2f}" y="{pad_t + plot_h - h:.2f}" width="{max(x1 - x0 - 0.6, 0.6):.2f}" '
+                     f'height="{h:.2f}" fill="#0969da"><title>{_e(f"[{edges[i]:.4g}, {edges[i + 1]:.4g}): {c}")}'
+                     f'</title></rect>')
+    colours = ("#cf222e", "#8250df", "#1a7f37")
+    for j, (label, v) in enumerate((marks or {}).items()):
+        if _missing(v) or not (lo <= float(v) <= hi):
+            continue
+        x = x_of(v)
+        parts.append(f'<line x1="{x:.2f}" x2="{x:.2f}" y1="{pad_t}" y2="{pad_t + plot_h}" stroke="{colours[j % 3]}" '
+                     f'stroke-width="1.5" stroke-dasharray="{"4 2" if j else "none"}"><title>{_e(label)} = '
+                     f'{_e(f"{float(v):.4g}")}</title></line>')
+    parts.append(f'<text x="{pad_l}" y="{height - 3}" font-size="10" fill="#57606a">{_e(f"{lo:.3g}")}</text>')
+    parts.append(f'<text x="{width - pad_l}" y="{height - 3}" font-size="10" fill="#57606a" '
+                 f'text-anchor="end">{_e(f"{hi:.3g}")}</text>')
+    parts.append(f'<text x="{width / 2:.0f}" y="{height - 3}" font-size="10" fill="#57606a" '
+                 f'text-anchor="middle">max bin {top}</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _shared_edges(arrays: list[np.ndarray], bins: int) -> np.ndarray:
+    finite = [a[np.isfinite(a)] for a in arrays]
+    finite = [a for a in finite if a.size]
+    if not finite:
+        return np.linspace(0.0, 1.0, bins + 1)
+    lo = min(float(a.min()) for a in finite)
+    hi = max(float(a.max()) for a in finite)
+    if hi <= lo:
+        lo, hi = lo - 0.5, hi + 0.5
+    return np.linspace(lo, hi, bins + 1)
+
+
+# -- data selection ----------------------------------------------------------------------------
+def _group_key(row) -> tuple:
+    m = row["m"] if str(row["metric"]) == "croma" and not _missing(row["m"]) else None
+    view, design, metric = ("" if _missing(row[c]) else str(row[c]) for c in ("view", "design", "metric"))
+    order = list(METRIC_NAMES).index(metric) if metric in METRIC_NAMES else len(METRIC_NAMES)
+    return view, design, order, metric, -1 if m is None else int(m)
+
+
+def _leaderboards(scores: pd.DataFrame) -> list[dict]:
+    """Groups of the scores table: ``{"key", "rows" (latest record per encoder, ranked), "superseded"}``."""
+    if scores.empty:
+        return []
+    frame = scores.reset_index(drop=True)
+    frame["_ts"] = frame["finished_at"].fillna(pd.Timestamp(0, tz="UTC"))
+    frame["_enc"] = frame["encoder"].fillna("?")
+    members: dict[tuple, list[int]] = {}
+    for i, (_, r) in enumerate(frame.iterrows()):
+        members.setdefault(_group_key(r), []).append(i)
+    groups = []
+    for key in sorted(members):
+        g = frame.iloc[members[key]]
+        g = g.sort_values(["_enc", "_ts", "fingerprint"], ascending=[True, False, True])
+        latest = g.drop_duplicates("_enc", keep="first")
+        values = latest["value"].to_numpy(dtype=float)
+        order = np.lexsort((latest["_enc"].to_numpy(dtype=object).astype(str), -np.where(np.isnan(values), -np.inf, values)))
+        latest = latest.iloc[order].reset_index(drop=True)
+        vals = latest["value"].to_numpy(dtype=float)
+        ranks = []
+        for v in vals:  # competition ranking: ties share the best rank
+            ranks.append(None if np.isnan(v) else int(np.sum(vals[~np.isnan(vals)] > v)) + 1)
+        latest["_rank"] = pd.array(ranks, dtype="Int64")
+        groups.append({"key": key, "rows": latest, "superseded": len(g) - len(latest)})
+    return groups
+
+
+def _group_title(key: tuple) -> str:
+    view, design, _, metric, m = key
+    title = f"{_metric_name(metric or None)} · view {view or '?'} · design {design or '?'}"
+    return title + (f" · m={m}" if m >= 0 else "")
+
+
+# -- sections ----------------------------------------------------------------------------------
+def _leaderboard_html(groups: list[dict]) -> str:
+    if not groups:
+        return "<p class='muted'>No scores in the store yet.</p>"
+    out = []
+    for gi, g in enumerate(groups):
+        rows: pd.DataFrame = g["rows"]
+        shown = [(c, h) for c, h in LEADERBOARD_COLUMNS if c in rows.columns and not rows[c].map(_missing).all()]
+        alpha = {_params(p).get("alpha") for p in rows["params"]} - {None}
+        finite = rows["value"].to_numpy(dtype=float)
+        finite = finite[np.isfinite(finite)]
+        lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
+        headers = ["rank", "encoder", "value"] + [h for _, h in shown] + ["fingerprint"]
+        body, classes = [], []
+        for _, r in rows.iterrows():
+            v = r["value"]
+            frac = 0.0 if _missing(v) or not np.isfinite(v) else (1.0 if hi <= lo else (float(v) - lo) / (hi - lo))
+            bar = f'<span class="bar" style="width:{4 + 80 * frac:.0f}px"></span>' if not _missing(v) else ""
+            cells = [_td(_num(r["_rank"]), num=True), _td(_e(r["encoder"])), _td(bar + _num(v), num=True)]
+            cells += [_td(_num(r[c]) if c != "backend" else _e(r[c]), num=c != "backend") for c, _ in shown]
+            cells.append(_td(f"<code title='{_e(r['fingerprint'])}'>{_e(str(r['fingerprint'])[:12])}</code>"))
+            body.append(cells)
+            classes.append("nan" if _missing(v) else "")
+        note = []
+        if alpha:
+            note.append("α = " + ", ".join(_e(a) for a in sorted(alpha, key=str)))
+        if g["superseded"]:
+            note.append(f"{g['superseded']} older record(s) of these encoders superseded by newer ones")
+        out.append(f'<h3 id="lb{gi}">{_e(_group_title(g["key"]))}</h3>'
+                   + (f"<p class='muted'>{'; '.join(note)}</p>" if note else "")
+                   + _table(headers, body, raw_headers=True, row_classes=classes))
+    return "".join(out)
+
+
+def _distributions_html(store, groups: list[dict], bins: int) -> str:
+    from .store import CorruptRecordError
+
+    if not groups:
+        return "<p class='muted'>No per-unit values.</p>"
+    out = []
+    for gi, g in enumerate(groups):
+        rows: pd.DataFrame = g["rows"]
+        values, notes = [], []
+        for _, r in rows.iterrows():
+            try:
+                table = store.per_unit(r["fingerprint"])
+            except CorruptRecordError as exc:
+                values.append(None)
+                notes.append(f"per-unit table unreadable: {exc}")
+                continue
+            except KeyError:
+                values.append(None)
+                notes.append("record vanished while reading")
+                continue
+            if "value" not in table.columns:
+                values.append(None)
+                notes.append("no per-unit values stored")
+                continue
+            values.append(pd.to_numeric(table["value"], errors="coerce").to_numpy(dtype=float))
+            notes.append(None)
+        edges = _shared_edges([v for v in values if v is not None], bins)
+        panels = []
+        for (_, r), v, note in zip(rows.iterrows(), values, notes):
+            head = f'<div class="t">{_e(r["encoder"])}</div>'
+            if v is None:
+                panels.append(f'<div class="panel">{head}<div class="muted">{_e(note)}</div></div>')
+                continue
+            n_fin = int(np.isfinite(v).sum())
+            svg = histogram_svg(v, edges, marks={"value": r["value"], "q_alpha": r.get("q_alpha")})
+            panels.append(f'<div class="panel">{head}{svg}<div class="muted">{n_fin} finite of {v.size} units'
+                          f"{'' if n_fin == v.size else f'; {v.size - n_fin} undefined'}</div></div>")
+        out.append(f'<h3 id="dist{gi}">{_e(_group_title(g["key"]))}</h3>'
+                   f"<p class='muted'>red line: pooled value; purple dashed: q<sub>α</sub>; bins shared across "
+                   f"encoders</p><div class='panels'>{''.join(panels)}</div>")
+    return "".join(out)
+
+
+def _failures_html(failures: pd.DataFrame) -> str:
+    if failures.empty:
+        return "<p class='ok'>No failed units.</p>"
+    failures = failures.sort_values(["failed_at", "fingerprint"], ascending=[False, True], na_position="last")
+    headers = ["encoder", "view", "scope", "metric", "error", "run", "failed at", "fingerprint"]
+    body = []
+    for _, r in failures.iterrows():
+        metric = r["metric"] if not _missing(r["metric"]) else r["family"]
+        body.append([_td(_e(r["encoder"])), _td(_e(r["view"])), _td(_e(r["scope"])), _td(_e(_metric_name(metric))),
+                     _td(f"<pre>{_e(r['error'])}</pre>"), _td(_e(r["run_id"])), _td(_e(r["failed_at"])),
+                     _td(f"<code title='{_e(r['fingerprint'])}'>{_e(str(r['fingerprint'])[:12])}</code>")])
+    return f"<p class='bad'>{len(failures)} failed unit(s) without a later success.</p>" + _table(headers, body)
+
+
+def _href(target: Path, out_html: Path) -> str:
+    """A relative link from the report's folder to ``target`` (absolute ``file://`` URI when on another drive)."""
+    try:
+        rel = os.path.relpath(Path(target).resolve(), Path(out_html).resolve().parent)
+        return quote(Path(rel).as_posix())
+    except ValueError:  # pragma: no cover - Windows, different drives
+        return Path(target).resolve().as_uri()
+
+
+_UNIT_COUNTS = ("planned", "executed", "skipped", "succeeded", "failed")
+
+
+def _units_text(units) -> str:
+    """``planned 12, executed 12, …`` in a fixed order (then any other keys, sorted); ``—`` if none."""
+    if not isinstance(units, dict) or not units:
+        return "—"
+    keys = [k for k in _UNIT_COUNTS if k in units] + sorted(k for k in units if k not in _UNIT_COUNTS)
+    return _e(", ".join(f"{k} {units[k]}" for k in keys))
+
+
+def _or_dash(value) -> str:
+    return "—" if value is None or value == "" else _e(value)
+
+
+def _kv_table(items: list[tuple[str, str]]) -> str:
+    return _table(["", ""], [[_td(f"<b>{_e(k)}</b>"), _td(v)] for k, v in items])
+
+
+def _perf_link(store, prov: dict, out_html: Path) -> str:
+    """A relative link to the run's Dask performance report, or why there is none."""
+    report = prov.get("performance_report")
+    if not report:
+        return "<span class='muted'>not saved for this run</span>"
+    path = Path(str(report))
+    if not path.is_absolute():
+        path = store.path / path
+    if not path.is_file():
+        return f"<span class='muted'>{_e(report)} (file not found)</span>"
+    return f'<a href="{_e(_href(path, out_html))}">{_e(path.name)}</a>'
+
+
+def _latest_run(store) -> tuple[str | None, dict | None, list[tuple[str, dict]]]:
+    runs = []
+    for run_id in store.runs():
+        try:
+            runs.append((run_id, store.read_provenance(run_id)))
+        except (KeyError, OSError, ValueError):
+            continue
+    runs.sort(key=lambda item: (str(item[1].get("started_at") or ""), item[0]))
+    if not runs:
+        return None, None, []
+    return runs[-1][0], runs[-1][1], runs
+
+
+def _provenance_html(store, scores: pd.DataFrame, out_html: Path) -> str:
+    run_id, prov, runs = _latest_run(store)
+    parts = []
+    if prov is None:
+        parts.append("<p class='muted'>No run provenance recorded in this store.</p>")
+    else:
+        items = [("run", _e(run_id)), ("started", _or_dash(prov.get("started_at"))),
+                 ("finished", _or_dash(prov.get("finished_at"))),
+                 ("wall time", _num(prov.get("seconds"), 1) + " s" if not _missing(prov.get("seconds")) else "—"),
+                 ("job file", _or_dash(prov.get("job_path"))), ("cache", _or_dash(prov.get("cache"))),
+                 ("store", _or_dash(prov.get("store"))), ("code version", _or_dash(prov.get("code_version"))),
+                 ("units", _units_text(prov.get("units"))), ("dashboard", _or_dash(prov.get("dashboard")))]
+        items.append(("Dask performance report", _perf_link(store, prov, out_html)))
+        parts.append(_kv_table(items))
+        versions = prov.get("versions")
+        if isinstance(versions, dict) and versions:
+            parts.append("<h3>Versions</h3>" + _table(["package", "version"],
+                         [[_td(_e(k)), _td(_e(v if v is not None else "not installed"))] for k, v in sorted(versions.items())]))
+        hw = prov.get("hardware")
+        if isinstance(hw, dict) and hw:
+            workers = hw.get("workers") if isinstance(hw.get("workers"), list) else []
+            hw_items = [(k, _e(v)) for k, v in hw.items() if k != "workers"]
+            if workers:
+                threads = sum(int(w.get("nthreads") or 0) for w in workers if isinstance(w, dict))
+                hw_items.append(("workers", _e(f"{len(workers)} workers, {threads} threads")))
+            parts.append("<h3>Hardware</h3>" + _kv_table(hw_items))
+        job = prov.get("job")
+        if job:
+            parts.append("<h3>Job</h3><details><summary>job document as run</summary><pre>"
+                         + _e(json.dumps(job, indent=2, sort_keys=True, default=str)) + "</pre></details>")
+        fails = prov.get("failures")
+        if isinstance(fails, list) and fails:
+            parts.append(f"<p class='bad'>{len(fails)} unit(s) failed in this run (see Failures).</p>")
+    if not scores.empty and "seconds" in scores.columns and scores["seconds"].notna().any():
+        t = scores.assign(_m=scores["metric"].map(_metric_name), _s=scores["seconds"].astype(float))
+        agg = t.groupby("_m")["_s"].agg(["count", "sum", "median", "max"]).reset_index()
+        parts.append("<h3>Unit timings (all stored records)</h3>" + _table(
+            ["metric", "units", "total s", "median s", "max s"],
+            [[_td(_e(r["_m"])), _td(_num(int(r["count"])), num=True), _td(_num(r["sum"], 2), num=True),
+              _td(_num(r["median"], 2), num=True), _td(_num(r["max"], 2), num=True)] for _, r in agg.iterrows()]))
+    if runs:
+        body = []
+        for rid, p in reversed(runs):
+            body.append([_td(_e(rid)), _td(_or_dash(p.get("started_at"))), _td(_num(p.get("seconds"), 1), num=True),
+                         _td(_units_text(p.get("units"))), _td(_perf_link(store, p, out_html))])
+        parts.append("<h3>All runs</h3>" + _table(["run", "started", "seconds", "units", "performance report"], body))
+    return "".join(parts)
+
+
+def _cache_html(cache, scores: pd.DataFrame) -> str:
+    from .cache import Cache, CacheError
+
+    cache = cache if isinstance(cache, Cache) else Cache(cache)
+    try:
+        encoders, views = cache.encoders(), cache.views()
+        emb_rows = []
+        for enc in encoders:
+            for ts in cache.embedding_tilesets(enc):
+                try:
+                    meta = cache.meta(enc, ts)
+                    emb_rows.append([_td(_e(enc)), _td(_e(ts)), _td(_num(meta.n_rows), num=True),
+                                     _td(_num(meta.dim), num=True), _td(_e(meta.dtype.name)), _td(_num(len(meta.shards)), num=True)])
+                except (CacheError, OSError) as exc:
+                    emb_rows.append([_td(_e(enc)), _td(_e(ts)), f"<td colspan='4' class='bad'>{_e(exc)}</td>"])
+        view_rows = []
+        for v in views:
+            try:
+                spec = cache.view_spec(v)
+                view_rows.append([_td(_e(v)), _td(_e(spec.tileset)), _td(_e(spec.confounder_column)), _td(_e(spec.design or "—"))])
+            except (CacheError, OSError) as exc:
+                view_rows.append([_td(_e(v)), f"<td colspan='3' class='bad'>{_e(exc)}</td>"])
+    except (CacheError, OSError) as exc:
+        return f"<p class='bad'>Cache {_e(cache.root)} could not be read: {_e(exc)}</p>"
+    parts = [f"<p>Cache folder: <code>{_e(cache.root)}</code></p>",
+             "<h3>Embeddings</h3>" + (_table(["encoder", "tileset", "rows", "dim", "dtype", "shards"], emb_rows)
+                                      if emb_rows else "<p class='muted'>none</p>"),
+             "<h3>Views</h3>" + (_table(["view", "tileset", "confounder", "design"], view_rows)
+                                 if view_rows else "<p class='muted'>none</p>")]
+    if encoders and views:
+        have = scores.groupby(["encoder", "view"]).size() if not scores.empty else pd.Series(dtype=int)
+        body = []
+        for enc in encoders:
+            cells = [_td(_e(enc))]
+            for v in views:
+                n = int(have.get((enc, v), 0))
+                cells.append(_td(f"<span class='ok'>{n}</span>" if n else "<span class='bad'>none</span>", num=True))
+            body.append(cells)
+        parts.append("<h3>Coverage (stored records per encoder × view)</h3>" + _table(["encoder", *views], body))
+    return "".join(parts)
+
+
+# -- entry point -------------------------------------------------------------------------------
+def build_report(store_path, out_html, *, cache=None, bins: int = HIST_BINS) -> Path:
+    """Write a static, self-contained HTML report of the results store at ``store_path``.
+
+    Parameters
+    ----------
+    store_path : str or Path
+        An existing results store folder (with ``store.json``); it is only read.
+    out_html : str or Path
+        The HTML file to write (parent folders are created). Written atomically; an existing file
+        is replaced.
+    cache : str, Path or :class:`~cachescore.cache.Cache`, optional
+        Adds a section describing the cache (embeddings, views, coverage of encoder × view).
+    bins : int
+        Histogram bins per distribution panel.
+
+    Returns the path of the written file. Raises ``FileNotFoundError`` when ``store_path`` is not
+    an existing results store, :class:`~cachescore.store.StoreError` when it is not a valid one,
+    ``ValueError`` for ``bins < 1``. A record whose per-unit table is corrupt is reported in the
+    page, not raised.
+    """
+    from .store import ResultsStore
+    from .store.atomic import atomic_write_bytes
+
+    store_path, out_html = Path(store_path), Path(out_html)
+    if not (store_path / "store.json").is_file():
+        raise FileNotFoundError(f"no results store at {store_path} (no store.json); run `cachescore run JOB` first")
+    if not isinstance(bins, (int, np.integer)) or isinstance(bins, bool) or bins < 1:
+        raise ValueError(f"bins must be a positive int, got {bins!r}")
+    store = ResultsStore(store_path)
+    scores = store.scores()
+    failures = store.failures()
+    groups = _leaderboards(scores)
+    generated = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    n_enc = scores["encoder"].nunique() if not scores.empty else 0
+    n_view = scores["view"].nunique() if not scores.empty else 0
+    sections = [("leaderboards", "Leaderboards", _leaderboard_html(groups)),
+                ("distributions", "Per-unit distributions", _distributions_html(store, groups, int(bins))),
+                ("failures", f"Failures ({len(failures)})", _failures_html(failures)),
+                ("provenance", "Provenance of the latest run", _provenance_html(store, scores, out_html))]
+    if cache is not None:
+        sections.append(("cache", "Cache", _cache_html(cache, scores)))
+    nav = "".join(f'<a href="#{sid}">{_e(title)}</a>' for sid, title, _ in sections)
+    body = "".join(f'<h2 id="{sid}">{_e(title)}</h2>{content}' for sid, title, content in sections)
+    page = (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
+            f"<meta name='viewport' content='width=device-width, initial-scale=1'>"
+            f"<title>cachescore report: {_e(store_path.name)}</title><style>{_CSS}</style></head><body>"
+            f"<h1>cachescore report</h1><p class='muted'>store <code>{_e(store_path)}</code> · generated {_e(generated)} · "
+            f"{len(scores)} records, {n_enc} encoders, {n_view} views, {len(groups)} leaderboards, "
+            f"{len(failures)} failures</p><nav>{nav}</nav>{body}</body></html>\n")
+    out_html.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out_html, page.encode("utf-8"), overwrite=True)
+    return out_html

@@ -1,0 +1,409 @@
+"""Pins the ANN neighbour backend (``cachescore.neighbors.ann``), its registry and numba set-up.
+
+What is pinned, and against which oracle:
+
+* the brute-force paths (recall audit, small scopes) equal a full-matrix reference on n <= 2000
+  (and the exact engines ``neighbors.exact`` / ``neighbors.typed`` where they exist);
+* the ANN searches return the exact contracts: shapes, dtypes, (-1, +inf) padding, (distance,
+  index) order, no row of the query's own group, and distances equal to an exact recomputation;
+* recall >= 0.99 against exact search on clustered data (labels x confounders x slides with
+  per-slide offsets) for the cross-group and the typed search, measured on *all* rows, not on the
+  backend's own audit sample;
+* same ``random_state`` -> identical output;
+* :func:`measure_recall` counts exactly the neighbours a perturbed table lost.
+
+Near ties: two kernels (GEMM here, a batched dot product in the refinement) may give one pair
+distances that differ in the last ulp (spec/metrics.md §12.3). Comparisons therefore allow an
+index swap only between neighbours whose distances are within ``DISTANCE_TOL`` of each other, and
+assert distances within that tolerance.
+
+Tests that build pynndescent graphs are ``slow``: numba compiles pynndescent for ~100 s in every
+fresh process (most of its kernels are not cacheable).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from cachescore.neighbors import ann
+from cachescore.neighbors.normalize import cosine_distance_block, normalize_rows
+from cachescore.neighbors.registry import (
+    DEFAULT_AUTO_THRESHOLD,
+    choose_backend,
+    get_backend,
+    resolve_backend,
+)
+
+try:  # engineer A's exact engine, when present
+    from cachescore.neighbors.exact import cross_group_knn as _exact_cross_group_knn
+except ImportError:  # pragma: no cover - depends on the checkout
+    _exact_cross_group_knn = None
+from cachescore.neighbors.typed import typed_knn
+
+
+def clustered(n, d, *, seed=0, dtype=np.float32, n_labels=2, n_conf=4, smin=20, smax=100):
+    """Rows of realistic structure: label + confounder + per-slide offset + tile noise.
+
+    Slides (groups) of ``smin..smax`` tiles, each slide in one (label, confounder) cell.
+    Returns (u, labels, confounders, groups) with ``u`` doubly normalised in ``dtype``.
+    """
+    rng = np.random.default_rng(seed)
+    sizes = []
+    while sum(sizes) < n:
+        sizes.append(int(rng.integers(smin, smax + 1)))
+    sizes[-1] -= sum(sizes) - n
+    n_groups = len(sizes)
+    groups = np.repeat(np.arange(n_groups), sizes)
+    labels = rng.integers(0, n_labels, n_groups)[groups]
+    conf = rng.integers(0, n_conf, n_groups)[groups]
+    x = (
+        rng.standard_normal((n_labels, d))[labels]
+        + 0.8 * rng.standard_normal((n_conf, d))[conf]
+        + 0.7 * rng.standard_normal((n_groups, d))[groups]
+        + rng.standard_normal((n, d))
+    )
+    return normalize_rows(x.astype(dtype)), labels, conf, groups
+
+
+def reference_knn(u, groups, kmax):
+    """Full-matrix reference (n <= 2000): kmax nearest other-group rows by (distance, index)."""
+    d = cosine_distance_block(u, u).astype(np.float64)
+    d[groups[:, None] == groups[None, :]] = np.inf
+    n = u.shape[0]
+    cols = np.broadcast_to(np.arange(n), d.shape)
+    order = np.lexsort((cols, d), axis=1)[:, :kmax]
+    dist = np.take_along_axis(d, order, 1)
+    idx = np.where(np.isfinite(dist), order, -1)
+    pad = max(0, kmax - n)
+    return (
+        np.pad(idx, ((0, 0), (0, pad)), constant_values=-1),
+        np.pad(dist, ((0, 0), (0, pad)), constant_values=np.inf),
+    )
+
+
+def reference_typed(u, labels, conf, groups, m):
+    d = cosine_distance_block(u, u).astype(np.float64)
+    d[groups[:, None] == groups[None, :]] = np.inf
+    so = (labels[:, None] == labels[None, :]) & (conf[:, None] != conf[None, :])
+    os_ = (labels[:, None] != labels[None, :]) & (conf[:, None] == conf[None, :])
+    out = []
+    for mask in (so, os_):
+        v = np.sort(np.where(mask, d, np.inf), axis=1)[:, :m]
+        out.append(np.pad(v, ((0, 0), (0, max(0, m - v.shape[1]))), constant_values=np.inf))
+    return tuple(out)
+
+
+def exact_oracle(u, groups, kmax):
+    if _exact_cross_group_knn is not None:
+        return _exact_cross_group_knn(u, groups, kmax)
+    return ann.exact_knn_rows(u, groups, np.arange(u.shape[0]), kmax)
+
+
+def assert_same_neighbours(idx, dist, ref_idx, ref_dist, tol):
+    """Equal tables up to near-tie swaps (see module docstring). Returns the swap count."""
+    assert idx.shape == ref_idx.shape and idx.dtype == np.int64 and dist.dtype == np.float64
+    fin = np.isfinite(ref_dist)
+    np.testing.assert_array_equal(np.isfinite(dist), fin)
+    np.testing.assert_allclose(dist[fin], ref_dist[fin], rtol=0, atol=tol)
+    np.testing.assert_array_equal(idx[~fin], -1)
+    diff = np.argwhere(idx != ref_idx)
+    for r, p in diff:
+        # the reference row must hold a near-tie partner for this position (or it is the last)
+        near = np.abs(ref_dist[r] - ref_dist[r, p]) <= 2 * tol
+        near[p] = False
+        assert near.any() or p == idx.shape[1] - 1, (r, p, dist[r], ref_dist[r])
+    return len(diff)
+
+
+def full_recall(dist, ref_dist, tol):
+    hits, total = ann._recall_counts(dist, ref_dist, tol)
+    return hits / total
+
+
+def check_contract(u, groups, idx, dist, kmax):
+    n = u.shape[0]
+    assert idx.shape == (n, kmax) and dist.shape == (n, kmax)
+    assert idx.dtype == np.int64 and dist.dtype == np.float64
+    valid = idx >= 0
+    np.testing.assert_array_equal(valid, np.isfinite(dist))
+    rows = np.broadcast_to(np.arange(n)[:, None], idx.shape)
+    # group exclusion (self included) is never violated
+    assert not np.any(groups[idx[valid]] == groups[rows[valid]])
+    # ordered by (distance, index), padding last
+    d = np.where(valid, dist, np.inf)
+    i = np.where(valid, idx, np.iinfo(np.int64).max)
+    ok = (d[:, 1:] > d[:, :-1]) | ((d[:, 1:] == d[:, :-1]) & (i[:, 1:] > i[:, :-1])) | ~valid[:, 1:]
+    assert ok.all()
+    # no duplicates per row
+    s = np.sort(np.where(valid, idx, -np.arange(1, kmax + 1)), axis=1)
+    assert not np.any(s[:, 1:] == s[:, :-1])
+    # distances are the exact cosine distances of the rows returned (u's dtype, clipped)
+    r, c = np.nonzero(valid)
+    rec = np.clip(1 - np.einsum("ij,ij->i", u[r].astype(np.float64), u[idx[r, c]].astype(np.float64)), 0, 2)
+    tol = 4e-7 if u.dtype == np.float32 else 1e-14
+    np.testing.assert_allclose(dist[r, c], rec, rtol=0, atol=tol)
+
+
+# ------------------------------------------------------------------------------------------
+# fast: kernels and brute-force paths
+
+
+def test_topk_orders_by_distance_then_index_under_ties():
+    rng = np.random.default_rng(3)
+    for w, k in ((7, 3), (50, 5), (200, 10)):
+        dist = rng.integers(0, 4, (40, w)).astype(np.float64)  # many exact ties
+        dist[rng.random((40, w)) < 0.2] = np.inf
+        idx = np.stack([rng.permutation(1000)[:w] for _ in range(40)])
+        got_i, got_d = ann._topk(dist, idx, k)
+        order = np.lexsort((idx, dist), axis=1)[:, :k]
+        exp_d = np.take_along_axis(dist, order, 1)
+        exp_i = np.where(np.isfinite(exp_d), np.take_along_axis(idx, order, 1), -1)
+        np.testing.assert_array_equal(got_d, exp_d)
+        np.testing.assert_array_equal(got_i, exp_i)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("seed", range(3))
+def test_exact_rows_match_full_matrix_reference(dtype, seed):
+    u, _, _, groups = clustered(1500, 48, seed=seed, dtype=dtype, smin=5, smax=40)
+    ref_i, ref_d = reference_knn(u, groups, 30)
+    rows = np.arange(u.shape[0])
+    idx, dist = ann._brute(u, groups, rows, rows, 30, block=512)  # block edges inside the scope
+    assert_same_neighbours(idx, dist, ref_i, ref_d, ann.DISTANCE_TOL[np.dtype(dtype)])
+    sub = np.array([0, 7, 499, 1499])
+    si, sd = ann.exact_knn_rows(u, groups, sub, 30)
+    np.testing.assert_array_equal(si, idx[sub])
+
+
+@pytest.mark.skipif(_exact_cross_group_knn is None, reason="neighbors.exact not in this checkout")
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_exact_rows_match_exact_engine(dtype):
+    u, _, _, groups = clustered(1800, 64, seed=5, dtype=dtype)
+    e_i, e_d = _exact_cross_group_knn(u, groups, 50)
+    idx, dist = ann.exact_knn_rows(u, groups, np.arange(u.shape[0]), 50)
+    assert_same_neighbours(idx, dist, e_i, e_d, ann.DISTANCE_TOL[np.dtype(dtype)])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_small_scope_is_exact_and_keeps_contract(dtype):
+    u, _, _, groups = clustered(900, 32, seed=1, dtype=dtype, smin=3, smax=30)
+    r = ann.cross_group_knn_ann_with_recall(u, groups, 40, random_state=0)
+    assert r.exact and r.recall == 1.0
+    check_contract(u, groups, r.idx, r.dist, 40)
+    ref_i, ref_d = reference_knn(u, groups, 40)
+    assert_same_neighbours(r.idx, r.dist, ref_i, ref_d, ann.DISTANCE_TOL[np.dtype(dtype)])
+    idx, dist = ann.cross_group_knn_ann(u, groups, 40, random_state=0)
+    np.testing.assert_array_equal(idx, r.idx)
+
+
+def test_padding_when_fewer_eligible_rows_than_kmax():
+    u, _, _, _ = clustered(60, 8, seed=2)
+    groups = np.repeat(np.arange(3), 20)
+    idx, dist = ann.cross_group_knn_ann(u, groups, 50, random_state=0)
+    assert (idx[:, :40] >= 0).all() and (idx[:, 40:] == -1).all() and np.isinf(dist[:, 40:]).all()
+    one_i, one_d = ann.cross_group_knn_ann(u[:1], groups[:1], 3)
+    assert (one_i == -1).all() and np.isinf(one_d).all()
+
+
+def test_refine_drops_duplicates_self_and_same_group_and_recomputes():
+    u, _, _, groups = clustered(400, 16, seed=4, dtype=np.float64, smin=10, smax=10)
+    rows = np.arange(400)
+    rng = np.random.default_rng(0)
+    cand = rng.integers(-1, 400, (400, 60))
+    cand[:, :5] = rows[:, None]  # self, five times
+    cand[:, 5:10] = cand[:, 10:15]  # duplicates
+    idx, dist = ann._refine(u, groups, rows, cand, 20)
+    check_contract(u, groups, idx, dist, 20)
+    for i in (0, 123, 399):  # the top-20 of the eligible candidate set, recomputed
+        c = np.unique(cand[i][(cand[i] >= 0)])
+        c = c[groups[c] != groups[i]]
+        d = np.clip(1 - u[c] @ u[i], 0, 2)
+        o = np.lexsort((c, d))[:20]
+        np.testing.assert_array_equal(idx[i, : o.size], c[o])
+        np.testing.assert_allclose(dist[i, : o.size], d[o], rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_typed_small_cells_match_typed_engine_and_reference(seed):
+    u, labels, conf, groups = clustered(1600, 40, seed=seed, smin=5, smax=60)
+    r = ann.typed_knn_ann_with_recall(u, labels, conf, groups, 7, random_state=0)
+    assert r.exact_cells == r.n_cells and r.recall == 1.0
+    so, os_ = typed_knn(u, labels, conf, groups, 7)
+    ref = reference_typed(u, labels, conf, groups, 7)
+    for got, exp, exp2 in ((r.so_dist, so, ref[0]), (r.os_dist, os_, ref[1])):
+        assert got.shape == (1600, 7) and got.dtype == np.float64
+        np.testing.assert_array_equal(np.isinf(got), np.isinf(exp))
+        fin = np.isfinite(exp)
+        np.testing.assert_allclose(got[fin], exp[fin], rtol=0, atol=4e-7)
+        np.testing.assert_allclose(got[fin], exp2[fin], rtol=0, atol=4e-7)
+
+
+def test_exact_typed_rows_match_reference():
+    u, labels, conf, groups = clustered(1000, 24, seed=9, dtype=np.float64, smin=5, smax=50)
+    rows = np.arange(0, 1000, 3)
+    (si, sd), (oi, od) = ann.exact_typed_rows(u, labels, conf, groups, rows, 5, block=256)
+    ref_so, ref_os = reference_typed(u, labels, conf, groups, 5)
+    np.testing.assert_allclose(sd, ref_so[rows], rtol=0, atol=1e-15)
+    np.testing.assert_allclose(od, ref_os[rows], rtol=0, atol=1e-15)
+    v = si >= 0
+    r = np.broadcast_to(rows[:, None], si.shape)
+    assert (labels[si[v]] == labels[r[v]]).all() and (conf[si[v]] != conf[r[v]]).all()
+    assert (groups[si[v]] != groups[r[v]]).all()
+
+
+def test_measure_recall_counts_lost_neighbours():
+    u, _, _, groups = clustered(1200, 32, seed=6, smin=5, smax=30)
+    idx, dist = ann.exact_knn_rows(u, groups, np.arange(1200), 20)
+    assert ann.measure_recall(u, groups, idx, n_queries=1200) == 1.0
+    # drop the nearest neighbour of every row and append the 21st: exactly 1/20 is lost
+    far_i, _ = ann.exact_knn_rows(u, groups, np.arange(1200), 21)
+    worse = np.concatenate([idx[:, 1:], far_i[:, 20:21]], axis=1)
+    assert ann.measure_recall(u, groups, worse, n_queries=1200) == pytest.approx(19 / 20)
+    # padding is a miss, never a hit
+    pad = idx.copy()
+    pad[:, 10:] = -1
+    assert ann.measure_recall(u, groups, pad, n_queries=500, random_state=1) == pytest.approx(0.5)
+
+
+def test_measure_typed_recall_counts_lost_neighbours():
+    u, labels, conf, groups = clustered(1000, 24, seed=7, smin=5, smax=40)
+    so, os_ = typed_knn(u, labels, conf, groups, 4)
+    assert ann.measure_typed_recall(u, labels, conf, groups, so, os_, n_queries=1000) == 1.0
+    so2 = so.copy()
+    so2[:, 0] = 3.0  # nearest SO distance lost (replaced by an impossible far one)
+    assert ann.measure_typed_recall(u, labels, conf, groups, so2, os_, n_queries=1000) == pytest.approx(7 / 8)
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(kmax=0), ValueError, "kmax must be an integer >= 1"),
+        (dict(recall_target=1.5), ValueError, "recall_target must be in"),
+        (dict(metric="l2"), ValueError, "metric must be"),
+        (dict(groups=np.zeros(5, np.int64)), ValueError, r"groups must have shape \(50,\)"),
+        (dict(groups=np.zeros(50)), TypeError, "groups must hold integer codes"),
+        (dict(u=np.zeros((50, 4), np.int64)), TypeError, "float32 or float64"),
+    ],
+)
+def test_validation_errors(kwargs, exc, match):
+    args = dict(u=np.ones((50, 4), np.float32) / 2, groups=np.arange(50), kmax=3)
+    args.update(kwargs)
+    u, groups, kmax = args.pop("u"), args.pop("groups"), args.pop("kmax")
+    with pytest.raises(exc, match=match):
+        ann.cross_group_knn_ann(u, groups, kmax, **args)
+
+
+def test_registry_names_and_auto_choice():
+    assert get_backend("ann").cross_group_knn is ann.cross_group_knn_ann
+    assert get_backend("ann").typed_knn is ann.typed_knn_ann
+    assert get_backend("exact").typed_knn is typed_knn
+    assert choose_backend(1000, 768) == "exact"
+    assert choose_backend(1_000_000, 768) == "ann"
+    assert choose_backend(100, 10, threshold=100 * 100 * 10) == "exact"
+    assert choose_backend(101, 10, threshold=100 * 100 * 10) == "ann"
+    assert resolve_backend("auto", 10**6, 768).name == "ann"
+    assert resolve_backend("auto", 10, 768, DEFAULT_AUTO_THRESHOLD).name == "exact"
+    with pytest.raises(ValueError, match="unknown neighbour backend 'faiss'"):
+        get_backend("faiss")
+    with pytest.raises(ValueError, match="unknown neighbour backend"):
+        resolve_backend("fast", 10, 10)
+    with pytest.raises(ValueError, match="threshold must be > 0"):
+        choose_backend(10, 10, threshold=0)
+
+
+def test_numba_env_configure_in_fresh_process(tmp_path):
+    code = (
+        "import os, sys\n"
+        "from cachescore.neighbors import numba_env\n"
+        "assert 'numba' not in sys.modules\n"
+        f"made = numba_env.configure(num_threads=1, cache_dir={str(tmp_path)!r})\n"
+        "import numba\n"
+        "assert numba.config.NUMBA_NUM_THREADS == 1, numba.config.NUMBA_NUM_THREADS\n"
+        f"assert numba.config.CACHE_DIR == {str(tmp_path)!r}, numba.config.CACHE_DIR\n"
+        "assert made == {'NUMBA_CACHE_DIR': %r, 'NUMBA_NUM_THREADS': '1'}, made\n" % str(tmp_path)
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_")}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+    with pytest.raises(ValueError, match="num_threads must be >= 1"):
+        from cachescore.neighbors import numba_env
+
+        numba_env.configure(num_threads=0)
+
+
+# ------------------------------------------------------------------------------------------
+# slow: real pynndescent graphs
+
+
+@pytest.fixture(scope="module")
+def warm():
+    from cachescore.neighbors.numba_env import warm_up
+
+    warm_up()
+
+
+@pytest.fixture(scope="module")
+def data_f32():
+    return clustered(6000, 96, seed=11)
+
+
+@pytest.mark.slow
+def test_ann_cross_group_recall_and_exact_distances(warm, data_f32):
+    u, _, _, groups = data_f32
+    r = ann.cross_group_knn_ann_with_recall(u, groups, 50, random_state=0, n_recall_queries=300)
+    assert not r.exact and r.recall >= 0.99
+    check_contract(u, groups, r.idx, r.dist, 50)
+    ref_i, ref_d = exact_oracle(u, groups, 50)
+    assert full_recall(r.dist, ref_d, 4e-7) >= 0.99  # on every row, not the audit sample
+    # found neighbours carry the exact engine's distances (same pair, two kernels: <= tol)
+    hit = r.idx == ref_i
+    np.testing.assert_allclose(r.dist[hit], ref_d[hit], rtol=0, atol=4e-7)
+    # a second call with the same seed is identical
+    again = ann.cross_group_knn_ann_with_recall(u, groups, 50, random_state=0, n_recall_queries=300)
+    np.testing.assert_array_equal(again.idx, r.idx)
+    np.testing.assert_array_equal(again.dist, r.dist)
+    assert again.recall == r.recall and again.rounds == r.rounds
+
+
+@pytest.mark.slow
+def test_ann_float64_and_zero_rows(warm):
+    u, _, _, groups = clustered(3000, 64, seed=12, dtype=np.float64)
+    u = u.copy()
+    u[[5, 1000]] = 0.0  # zero rows: distance exactly 1 to every row
+    idx, dist = ann.cross_group_knn_ann(u, groups, 30, random_state=1, n_recall_queries=200)
+    check_contract(u, groups, idx, dist, 30)
+    ref_i, ref_d = exact_oracle(u, groups, 30)
+    assert full_recall(dist, ref_d, 1e-15) >= 0.99
+    # a zero row's answer is the 30 lowest indices outside its group, all at distance 1
+    np.testing.assert_array_equal(idx[5], ref_i[5])
+    np.testing.assert_array_equal(dist[5], np.ones(30))
+
+
+@pytest.mark.slow
+def test_ann_typed_recall_vs_typed_engine(warm, monkeypatch):
+    u, labels, conf, groups = clustered(8000, 64, seed=13)
+    monkeypatch.setattr(ann, "BRUTE_MAX_ROWS", 100)  # every target cell gets a graph
+    r = ann.typed_knn_ann_with_recall(u, labels, conf, groups, 10, random_state=0, n_recall_queries=300)
+    assert r.exact_cells == 0 and r.n_cells == 8 and r.recall >= 0.99
+    so, os_ = typed_knn(u, labels, conf, groups, 10)
+    for got, exp in ((r.so_dist, so), (r.os_dist, os_)):
+        assert full_recall(got, exp, 4e-7) >= 0.99
+        assert (np.diff(got, axis=1) >= 0).all()
+        assert (got >= exp - 4e-7).all()  # exact recomputation: never closer than the truth
+    again = ann.typed_knn_ann(u, labels, conf, groups, 10, random_state=0, n_recall_queries=300)
+    np.testing.assert_array_equal(again[0], r.so_dist)
+    np.testing.assert_array_equal(again[1], r.os_dist)
+
+
+@pytest.mark.slow
+def test_recall_target_error_when_widening_is_forbidden(warm, data_f32):
+    u, _, _, groups = data_f32
+    with pytest.raises(ann.RecallTargetError, match=r"recall 0\.\d+ < target 1\.0 .* after 0 widening"):
+        ann.cross_group_knn_ann(
+            u, groups, 100, recall_target=1.0, random_state=0, n_neighbors=4, epsilon=0.0,
+            max_rounds=0, n_recall_queries=300,
+        )
