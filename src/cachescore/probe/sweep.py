@@ -315,9 +315,11 @@ def _replay(
                 for (i, j, take), reserve in zip(plan.split_map, plan.reserves)
             ]
             if plan.first_held_out not in tails:
-                tails[plan.first_held_out] = np.concatenate(
+                tail = np.concatenate(
                     [empty, *(order[plan.first_held_out :] for row in cells for order in row)]
                 )
+                tail.setflags(write=False)  # one array for several outcomes: read-only
+                tails[plan.first_held_out] = tail
             jobs.append(
                 ProbeJob(
                     replicate=r,

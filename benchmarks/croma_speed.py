@@ -1,0 +1,110 @@
+"""Benchmark: CRoMa (m=5, start_k=200, growth 2.0) on a realistic synthetic view, cachescore vs croma.
+
+Data (DESIGN §6 issue "CRoMa >= 100x faster than croma at N = 8,000"): N rows, D = 384, float32,
+2 labels x 4 confounders, slides (``group_id``) of 20 tiles; each row is a label offset + a
+confounder offset + a per-slide offset + isotropic noise, so that typed neighbourhoods are neither
+trivial nor degenerate. Times are CPU seconds (``time.process_time``), best of ``--repeats``; on a
+machine shared with other jobs, CPU time is the stable figure (wall time is also printed).
+
+    python benchmarks/croma_speed.py --sizes 8000                 # ours only
+    python benchmarks/croma_speed.py --sizes 2000 4000 --croma    # ours vs croma (croma is slow)
+    python benchmarks/croma_speed.py --sizes 8000 --profile       # cProfile of our compute
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import pandas as pd
+
+CONF = "center"
+
+
+def croma_view(n: int, dim: int = 384, *, tiles_per_slide: int = 20, n_labels: int = 2, n_conf: int = 4, seed: int = 0):
+    """``(features float32 (n, dim), manifest DataFrame)`` of the benchmark view.
+
+    Slide ``s`` holds rows ``[20 s, 20 s + 20)``; its label is ``s % n_labels`` and its confounder
+    ``(s // n_labels) % n_conf`` (every cell is populated by whole slides). Offsets: label 0.35,
+    confounder 0.35, slide 0.2 (per coordinate, std), noise 1.0.
+    """
+    rng = np.random.default_rng(seed)
+    slide = np.arange(n) // tiles_per_slide
+    label = slide % n_labels
+    conf = (slide // n_labels) % n_conf
+    lab_off = rng.normal(0.0, 0.35, size=(n_labels, dim))
+    conf_off = rng.normal(0.0, 0.35, size=(n_conf, dim))
+    slide_off = rng.normal(0.0, 0.2, size=(int(slide.max()) + 1, dim))
+    x = lab_off[label] + conf_off[conf] + slide_off[slide] + rng.standard_normal((n, dim))
+    manifest = pd.DataFrame(
+        {
+            "sample_id": [f"t{i}" for i in range(n)],
+            "image_path": [f"/cache/tiles/{i}.png" for i in range(n)],
+            "label": [f"class{v}" for v in label],
+            CONF: [f"centre{v}" for v in conf],
+            "group_id": [f"slide{v}" for v in slide],
+            "dataset": "synthetic",
+        }
+    )
+    return x.astype(np.float32), manifest
+
+
+def best_of(fn, repeats: int):
+    """``(result, best CPU seconds, best wall seconds)`` over ``repeats`` calls of ``fn()``."""
+    cpu, wall, out = [], [], None
+    for _ in range(repeats):
+        c0, w0 = time.process_time(), time.perf_counter()
+        out = fn()
+        cpu.append(time.process_time() - c0)
+        wall.append(time.perf_counter() - w0)
+    return out, min(cpu), min(wall)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", type=int, nargs="+", default=[8000])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--croma", action="store_true", help="also time croma 1.0.1 (one run; slow)")
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--threads", type=int, default=1, help="BLAS threads (default 1)")
+    args = p.parse_args(argv)
+
+    from threadpoolctl import threadpool_limits
+
+    from cachescore.metrics.croma import CRoMa
+
+    with threadpool_limits(args.threads):
+        for n in args.sizes:
+            x, df = croma_view(n)
+            kw = dict(confounder_column=CONF, m=5, start_k=200, k_growth_factor=2.0)
+            if args.profile:
+                import cProfile
+                import pstats
+
+                prof = cProfile.Profile()
+                prof.enable()
+                CRoMa.compute(x, df, **kw)
+                prof.disable()
+                pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+            ours, cpu, wall = best_of(lambda: CRoMa.compute(x, df, **kw), args.repeats)
+            line = (
+                f"N={n}: cachescore {cpu:.3f} s CPU ({wall:.3f} s wall, best of {args.repeats}); "
+                f"value={ours.value:.6f} k {ours.k_start}->{ours.k_final} retries={ours.retries}"
+            )
+            if args.croma:
+                import croma
+
+                ref, rcpu, rwall = best_of(lambda: croma.CRoMa.compute(x, df, **kw), 1)
+                diff = float(np.max(np.abs(ref.sample_values - ours.sample_values)))
+                same_diag = (ref.k_start, ref.k_final, ref.retries) == (ours.k_start, ours.k_final, ours.retries)
+                line += (
+                    f" | croma {rcpu:.2f} s CPU ({rwall:.2f} s wall): speed-up {rcpu / cpu:.0f}x CPU;"
+                    f" max |dv| {diff:.2e}; diagnostics equal: {same_diag}"
+                )
+            print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
