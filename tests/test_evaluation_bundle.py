@@ -65,7 +65,7 @@ def test_manifest_records_checksums_provenance_and_versions(evaluation, tmp_path
     assert manifest["provenance"]["encoder_id"] == "toy-encoder"
     assert manifest["provenance"]["note"] is None  # NaN stored as null
     assert {"numpy", "scikit-learn", "scipy", "dask"} <= set(manifest["library_versions"])
-    assert manifest["leakage_passed"] is True and manifest["schema_version"].startswith("1.")
+    assert manifest["leakage_passed"] is True and manifest["schema_version"].startswith("2.")
     assert manifest["replicate_seeds"] == list(evaluation.replicate_seeds)
     summary = json.loads((path / "summary.json").read_text())
     assert summary["apd"] == evaluation.apd and summary["cramers_v"] == [0.0, 0.5, 1.0]
@@ -117,9 +117,9 @@ def test_missing_extra_and_resized_files_are_refused(evaluation, tmp_path):
 def test_unknown_major_schema_and_missing_manifest_are_refused(evaluation, tmp_path):
     path = write_bundle(evaluation, tmp_path / "b", provenance={})
     m = json.loads((path / "manifest.json").read_text())
-    m["schema_version"] = "2.0"
+    m["schema_version"] = "3.0"
     (path / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(BundleError, match="unknown bundle schema_version '2.0'"):
+    with pytest.raises(BundleError, match="unknown bundle schema_version '3.0'"):
         read_bundle(path)
     (path / "manifest.json").unlink()
     with pytest.raises(BundleError, match="no manifest.json"):

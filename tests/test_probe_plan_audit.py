@@ -308,3 +308,26 @@ def test_post_hoc_evaluation_without_content_audit_is_not_passed(data):
     ev2 = evaluate_run(run, embeddings=data["x"], **kw)
     assert ev2.leakage["passed"] is True
     np.testing.assert_array_equal(cal.confusion_counts([0, 1], [0, 0], 2), [[1, 0], [1, 0]])
+
+
+def test_content_codes_equal_a_hashlib_grouping_across_blocks(monkeypatch):
+    import cachescore.probe.audit as audit_mod
+
+    monkeypatch.setattr(audit_mod, "_CONTENT_BLOCK_ROWS", 7)  # many block edges
+    rng = np.random.default_rng(11)
+    a = rng.normal(size=(60, 5)).astype(np.float32)
+    a[rng.integers(0, 60, 20)] = a[rng.integers(0, 60, 20)]  # planted duplicates
+    a[3] = 0.0
+    a[4] = 0.0
+    a[4, 2] = -0.0  # different bytes, equal values: a different content
+    b = rng.normal(size=(9, 5))
+    b[0] = a[10].astype(np.float64)
+    codes, row = audit_mod._row_content_codes([a, b])
+    digests = [hashlib.sha256(np.ascontiguousarray(r, dtype="<f8").tobytes()).hexdigest()
+               for r in np.concatenate([a.astype(np.float64), b])]
+    _, oracle = np.unique(np.array(digests), return_inverse=True)
+    # same partition of the rows
+    pairs = set(zip(codes.tolist(), oracle.tolist()))
+    assert len(pairs) == len(set(codes.tolist())) == len(set(oracle.tolist()))
+    assert codes[3] != codes[4] and codes[60] == codes[10]
+    assert hashlib.sha256(row(60).tobytes()).hexdigest() == digests[60]

@@ -14,6 +14,10 @@ For every (replicate, split) outcome the audit checks, over the roles ``train``,
   val or in-domain test rows of the outcome (codes must share the ``confounders`` id space).
 * ``<level>`` / ``tile`` against each extra test set: a group (or tile) of the test set that also
   appears in train, val or in-domain test.
+* ``missing_class:<role>`` (rule 9): a role lacking a class of the task (critical by default;
+  ``require_class_coverage=False`` is the explicit, recorded relaxation).
+* ``id_centre_unseen`` (rule 6): an in-domain test centre absent from train (critical by
+  default; ``require_seen_id_centres=False`` relaxes it, recorded).
 
 Across the sweep: ``test_set_drift`` (in-domain test membership differs between splits of one
 replicate), ``replicate_seeds`` (a replicate with two seeds, or two replicates sharing one) and
@@ -23,14 +27,20 @@ Identity values must be present: a missing (None/NaN) or blank id is refused wit
 naming the level and the rows (spec rule 10, require_identity on). Every check is vectorised
 (factorised integer codes, boolean presence vectors per role); there is no per-row Python loop.
 
+:func:`audit_content` (rule 3) finds byte-identical embedding rows (in the fixed
+:data:`CONTENT_DTYPE`, little-endian float64) in two roles of any (replicate, split), test sets
+included: critical ``content`` by default, a recorded warning only with ``severity="warning"``.
+:func:`combine_leakage` merges the plan audit and the content audit into a bundle's leakage
+record (``passed`` None plus ``not_audited`` when either did not run).
+
 The report is a JSON-serialisable dict; ``passed`` is ``True`` only when at least one outcome was
 audited and nothing critical was found -- never vacuously.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 import hashlib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -585,22 +595,57 @@ CONTENT_DTYPE = np.dtype("<f8")
 _CONTENT_SEVERITIES = ("critical", "warning")
 
 
-def _row_content_codes(blocks: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Content code per row over the stacked blocks, and the stacked canonical rows.
+#: Rows per block while fingerprinting (bounds the float64 working copy to ~block x D x 8 bytes).
+_CONTENT_BLOCK_ROWS = 4096
 
-    Rows are cast to :data:`CONTENT_DTYPE` (C order) and viewed as one opaque ``void`` item per
-    row; ``np.unique`` on that view groups byte-identical rows without any per-row Python work.
+
+def _row_content_codes(blocks: Sequence[np.ndarray]) -> tuple[np.ndarray, Callable[[int], np.ndarray]]:
+    """Content code per row over the stacked blocks (equal code <=> byte-identical row).
+
+    Each row is cast to :data:`CONTENT_DTYPE` block by block and its 64-bit words are folded into
+    two 64-bit keys by fixed random odd multipliers (wrap-around arithmetic, vectorised). Rows
+    whose keys collide are then compared byte for byte (``np.unique`` on an opaque ``void`` view),
+    so the codes are exact; no per-row Python work and no full float64 copy of the embeddings.
+    Returns the codes (int64, 0..K-1) and ``row(i)`` giving row ``i`` in the canonical dtype.
     """
-    stacked = np.ascontiguousarray(np.concatenate([np.asarray(b) for b in blocks], axis=0),
-                                   dtype=CONTENT_DTYPE)
-    if stacked.ndim != 2:
-        raise ValueError(f"embeddings must be 2-D, got shape {stacked.shape}")
-    width = stacked.shape[1] * CONTENT_DTYPE.itemsize
-    if stacked.shape[0] == 0 or width == 0:
-        return np.zeros(stacked.shape[0], np.int64), stacked
-    void = stacked.view(np.dtype((np.void, width))).reshape(-1)
-    _, inverse = np.unique(void, return_inverse=True)
-    return inverse.reshape(-1).astype(np.int64), stacked
+    arrays = [np.asarray(b) for b in blocks]
+    width = arrays[0].shape[1]
+    mult = np.random.default_rng(0x5EED).integers(1, 2**63, size=(2, width), dtype=np.uint64) | np.uint64(1)
+    keys = []
+    for arr in arrays:
+        for lo in range(0, arr.shape[0], _CONTENT_BLOCK_ROWS):
+            words = np.ascontiguousarray(arr[lo:lo + _CONTENT_BLOCK_ROWS], dtype=CONTENT_DTYPE).view("<u8")
+            k = np.empty((words.shape[0], 2), dtype=np.uint64)
+            k[:, 0] = (words * mult[0]).sum(axis=1, dtype=np.uint64)
+            k[:, 1] = ((words ^ (words >> np.uint64(29))) * mult[1]).sum(axis=1, dtype=np.uint64)
+            keys.append(k)
+    starts = np.cumsum([0] + [a.shape[0] for a in arrays])
+
+    def row(i: int) -> np.ndarray:
+        j = int(np.searchsorted(starts, i, side="right")) - 1
+        return np.ascontiguousarray(arrays[j][i - starts[j]], dtype=CONTENT_DTYPE)
+
+    n = int(starts[-1])
+    if n == 0 or width == 0:
+        return np.zeros(n, np.int64), row
+    key = np.concatenate(keys)
+    _, prov = np.unique(key.view(np.dtype((np.void, 16))).reshape(-1), return_inverse=True)
+    prov = prov.reshape(-1).astype(np.int64)
+    mult_count = np.bincount(prov)
+    cand = np.flatnonzero(mult_count[prov] > 1)  # rows sharing a fingerprint: verify bytes
+    final = prov.copy()
+    if cand.size:
+        parts = []
+        for j, arr in enumerate(arrays):  # cand is sorted: per-block gathers keep its order
+            local = cand[(cand >= starts[j]) & (cand < starts[j + 1])] - starts[j]
+            if local.size:
+                parts.append(np.ascontiguousarray(arr[local], dtype=CONTENT_DTYPE))
+        exact = np.concatenate(parts)
+        _, sub = np.unique(exact.view(np.dtype((np.void, width * CONTENT_DTYPE.itemsize))).reshape(-1),
+                           return_inverse=True)
+        final[cand] = int(prov.max()) + 1 + sub.reshape(-1)
+    _, codes = np.unique(final, return_inverse=True)
+    return codes.reshape(-1).astype(np.int64), row
 
 
 def _row_sha256(row: np.ndarray) -> str:
@@ -659,7 +704,7 @@ def audit_content(
                              f"{x.shape[1]} features")
         names.append(name)
         blocks.append(tx)
-    codes, stacked = _row_content_codes(blocks)
+    codes, row_of = _row_content_codes(blocks)
     n_codes = int(codes.max()) + 1 if codes.size else 0
     multiplicity = np.bincount(codes, minlength=n_codes)
     dup_code = multiplicity > 1  # only contents held by >= 2 rows can cross roles
@@ -707,7 +752,7 @@ def audit_content(
                 d = {
                     "level": "content", "replicate": r, "split": s, "roles": [a, b],
                     "n_ids": int(ids.size),
-                    "ids": [_row_sha256(stacked[first_row[c]]) for c in ids[:MAX_EXAMPLE_IDS]],
+                    "ids": [_row_sha256(row_of(int(first_row[c]))) for c in ids[:MAX_EXAMPLE_IDS]],
                     "n_rows": int(in_rows.size), "rows": in_rows[:MAX_EXAMPLE_ROWS].tolist(),
                 }
                 if b in offsets:

@@ -66,8 +66,9 @@ __all__ = [
     "write_encoder_bundle",
 ]
 
-#: ``major.minor``; a reader refuses an unknown major version.
-BUNDLE_SCHEMA_VERSION = "1.0"
+#: ``major.minor``; a reader refuses an unknown major version. 2.0: C.6 layout (leakage.json with
+#: plan + content audits, predictions, per-centre metrics, split reports, plan hash in the manifest).
+BUNDLE_SCHEMA_VERSION = "2.0"
 
 MANIFEST = "manifest.json"
 #: SweepEvaluation frame field -> parquet file name.

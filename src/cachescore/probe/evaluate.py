@@ -531,16 +531,22 @@ def _identity_columns(frame: pd.DataFrame, groups, tile_ids, test_set_groups,
     roles = frame["role"].to_numpy(dtype=object)
     extra = {}
 
+    def as_str(values) -> np.ndarray:
+        # ids -> str once per distinct value (factorised), then gathered by code: no per-row loop
+        codes, uniq = pd.factorize(pd.Series(np.asarray(values, dtype=object), copy=False), sort=False)
+        names = np.asarray([str(u.item() if isinstance(u, np.generic) else u) for u in uniq] + [None],
+                           dtype=object)
+        return names[np.where(codes < 0, len(uniq), codes)]
+
     def fill(col_name, in_values, test_getter):
         out = np.full(n, None, dtype=object)
-        out[in_dom] = np.asarray(in_values, dtype=object)[rows[in_dom]]
+        out[in_dom] = as_str(in_values)[rows[in_dom]]
         for ts in pd.unique(roles[~in_dom]):
             m = roles == ts
             vals = test_getter(ts)
             if vals is not None:
-                out[m] = np.asarray(vals, dtype=object)[rows[m]]
-        extra[col_name] = pd.array([None if v is None else str(v) for v in out], dtype="str") \
-            if n else pd.array([], dtype="str")
+                out[m] = as_str(vals)[rows[m]]
+        extra[col_name] = pd.array(out, dtype="str")
 
     parts = _as_parts(tile_ids)
     for i, part in enumerate(parts):
@@ -556,7 +562,7 @@ def _identity_columns(frame: pd.DataFrame, groups, tile_ids, test_set_groups,
         fill(f"{level}_id", ids, lambda ts, level=level: ((test_set_groups or {}).get(ts) or {}).get(level))
     codes = frame["centre_code"].to_numpy()
     names = np.asarray(centre_names + [UNKNOWN_CENTRE], dtype=object)
-    extra["centre"] = pd.array(names[np.where(codes < 0, len(centre_names), codes)].tolist(), dtype="str") \
+    extra["centre"] = pd.array(names[np.where(codes < 0, len(centre_names), codes)], dtype="str") \
         if n else pd.array([], dtype="str")
     keys = frame[list(PREDICTION_KEY_COLUMNS)]
     probs = frame[[c for c in frame.columns if c.startswith(("raw_prob_", "prob_"))]]

@@ -51,6 +51,7 @@ class ProbeOutcome:
         Validation balanced accuracy of each grid C.
     train_rows, val_rows, test_rows : ndarray int64
         Row indices into the sweep's embeddings (training rows in the order the probe saw them).
+        ``test_rows`` may be a read-only array shared by the outcomes of one replicate.
     classes : ndarray int64
         The fitted model's ``classes_``.
     scores : dict[str, float]
