@@ -251,3 +251,13 @@ def test_in_domain_test_centre_unseen_in_train_is_critical():
     rep = audit([oc([0, 1, 2, 3, 6, 7], [4, 5], [8, 9, 10, 11])], raise_on_leakage=False, labels=None,
                 require_seen_id_centres=True)
     assert "id_centre_unseen" not in rep["critical"]
+
+
+def test_group_spanning_centres_is_a_warning_with_examples():
+    conf = CONF.copy()
+    conf[5] = 1  # slide s2 (rows 4, 5) now spans centres 0 and 1
+    rep = audit([oc(**CLEAN)], confounders=conf)
+    assert rep["passed"] is True
+    assert rep["groups_spanning_centres"]["slide"] == {"n_groups": 1, "examples": ["s2"]}
+    assert rep["groups_spanning_centres"]["patient"]["examples"] == ["p1"]
+    assert any("span more than one centre" in w for w in rep["warnings"])

@@ -140,3 +140,70 @@ def test_centre_holdout_refusals():
         centre_holdout(centre, lab, slide, held_out=["Z"])
     with pytest.raises(ValueError, match="at least one centre must be kept"):
         centre_holdout(centre, lab, slide, held_out=["A", "B", "C"])
+
+
+# --------------------------------------------------------------------------- nested folds + whole-CV audit
+
+
+def test_nested_folds_cover_rows_once_stay_inside_outer_train_and_keep_groups_whole():
+    from cachescore.probe.audit import audit_cv_folds
+    from cachescore.probe.splits import nested_group_folds
+
+    slide, lab = design(n_slides=24, rows=3, n_cls=2)
+    folds = nested_group_folds(lab, outer_splits=4, inner_splits=3, groups=slide, seed=5)
+    assert [f["outer_fold"] for f in folds] == [1, 2, 3, 4]
+    val = np.concatenate([f["validation"] for f in folds])
+    assert np.array_equal(np.sort(val), np.arange(slide.size))  # every row validated exactly once
+    for f in folds:
+        assert not set(slide[f["train"]]) & set(slide[f["validation"]])
+        inner_val = np.concatenate([b for _, b in f["inner"]])
+        assert np.array_equal(np.sort(inner_val), f["train"])  # inner folds partition outer train
+        for a, b in f["inner"]:
+            assert set(a) <= set(f["train"]) and not set(slide[a]) & set(slide[b])
+    assert len({f["inner_seed"] for f in folds}) == 4
+    layouts = {tuple(np.sort(slide[f["inner"][0][1]]).tolist()) for f in folds}
+    assert len(layouts) == 4
+    rep = audit_cv_folds([(f["train"], f["validation"]) for f in folds], n_rows=slide.size,
+                         groups={"slide": slide}, tile_ids=np.arange(slide.size), labels=lab)
+    assert rep["passed"] is True and rep["n_folds"] == 4
+    with pytest.raises(ValueError, match="outer_splits must be at least 2"):
+        nested_group_folds(lab, outer_splits=1.9, inner_splits=3)
+    with pytest.raises(ValueError, match="inner_splits must be at least 2"):
+        nested_group_folds(lab, outer_splits=2, inner_splits=0)
+    with pytest.raises(ValueError, match="cannot build 30 folds from 24 groups"):
+        nested_group_folds(lab, outer_splits=30, inner_splits=2, groups=slide)
+
+
+def test_whole_cv_audit_membership_groups_examples_and_refusals():
+    from cachescore.probe.audit import LeakageError, audit_cv_folds
+
+    n = 60
+    slide = np.array([f"s{i // 2}" for i in range(n)])
+    tile = np.arange(n)
+    folds = [(np.arange(30, 60), np.arange(0, 30)), (np.arange(0, 30), np.arange(30, 60))]
+    ok = audit_cv_folds(folds, n_rows=n, groups={"slide": slide}, tile_ids=tile)
+    assert ok["passed"] is True and ok["critical"] == []
+    # row 59 never validated, rows 0..24 validated twice; slides s0..s12 in two validation folds
+    bad = [(np.arange(30, 59), np.arange(0, 30)), (np.arange(25, 30), np.arange(0, 25)),
+           (np.arange(0, 30), np.arange(30, 59))]
+    rep = audit_cv_folds(bad, n_rows=n, groups={"slide": slide}, tile_ids=tile)
+    assert rep["passed"] is False
+    assert rep["critical"][:2] == ["validation_membership_missing", "validation_membership_duplicate"]
+    assert rep["validation_membership_missing"] == [59]
+    assert rep["n_validation_membership_duplicate"] == 25
+    assert len(rep["validation_membership_duplicate"]) == 20  # lists capped at 20, counts exact
+    assert rep["overlap_counts"]["slide"] == 13 and len(rep["examples"]["slide"]) == 10
+    assert rep["examples"]["slide"][0] == "s0 -> folds 1,2"
+    with pytest.raises(LeakageError, match="Cross-validation leakage audit failed: validation_membership_missing"):
+        audit_cv_folds(bad, n_rows=n, groups={"slide": slide}, tile_ids=tile, raise_on_leakage=True)
+    with pytest.raises(LeakageError, match="both train and validation"):
+        audit_cv_folds([(np.arange(0, 31), np.arange(30, 60))], n_rows=n, groups={"slide": slide}, tile_ids=tile)
+    with pytest.raises(ValueError, match=r"rows \[60\]"):
+        audit_cv_folds([(np.arange(0, 30), np.arange(30, 61))], n_rows=n, groups={"slide": slide}, tile_ids=tile)
+    # a tile with two labels is critical even inside one fold
+    lab = np.zeros(n, int)
+    tile2 = tile.copy()
+    tile2[1] = 0
+    lab[1] = 1
+    rep = audit_cv_folds(folds, n_rows=n, groups={"slide": slide}, tile_ids=tile2, labels=lab)
+    assert "conflicting_labels" in rep["critical"] and rep["examples"]["conflicting_labels"] == ["0"]

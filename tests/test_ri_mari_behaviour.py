@@ -16,7 +16,6 @@ import warnings
 
 import dask.array as da
 import numpy as np
-import pandas as pd
 import pytest
 
 import croma

@@ -30,7 +30,7 @@ import numpy as np
 
 from .normalize import cosine_distance_block
 
-__all__ = ["DEFAULT_BLOCK_ROWS", "typed_knn", "count_within"]
+__all__ = ["DEFAULT_BLOCK_ROWS", "typed_knn", "count_within", "similarity_floor"]
 
 #: Edge of the square distance tiles (query rows × target columns) when ``block_rows`` is None.
 #: 2048² float64 entries = 32 MiB per tile.
@@ -58,11 +58,32 @@ def _block(block_rows) -> int:
     return b
 
 
-def _keep_smallest(buf: np.ndarray, m: int) -> np.ndarray:
-    """Per row, the ``m`` smallest values of ``buf`` (unordered); all of them if fewer columns."""
-    if buf.shape[1] <= m:
-        return buf
-    return np.partition(buf, m - 1, axis=1)[:, :m]
+def _transpose(a: np.ndarray) -> np.ndarray:
+    """C-contiguous transpose of a 2-D tile, copied in 64-row strips.
+
+    A plain ``ascontiguousarray(a.T)`` walks the source column-wise and is several times slower
+    on large tiles; strips keep both sides cache-resident."""
+    out = np.empty((a.shape[1], a.shape[0]), dtype=a.dtype)
+    for s in range(0, a.shape[0], 64):
+        out[:, s : s + 64] = a[s : s + 64].T
+    return out
+
+
+def _merge_largest(buf: np.ndarray, tile: np.ndarray, m: int) -> None:
+    """``buf`` (r, m) := per row the ``m`` largest of ``buf`` ∪ ``tile`` (r, w), unordered."""
+    w = tile.shape[1]
+    if w > m:
+        tile = np.partition(tile, w - m, axis=1)[:, w - m :]
+    both = np.concatenate([buf, tile], axis=1)
+    buf[:] = np.partition(both, both.shape[1] - m, axis=1)[:, both.shape[1] - m :]
+
+
+def _sim_to_dist(best: np.ndarray) -> np.ndarray:
+    """Ascending float64 distances ``clip(1 - s, 0, 2)`` (computed in ``best``'s dtype, exactly as
+    :func:`~cachescore.neighbors.normalize.cosine_distance_block`), ``-inf`` similarities → ``+inf``."""
+    dist = np.clip(np.subtract(1, best), 0, 2)
+    dist[np.isneginf(best)] = np.inf
+    return np.sort(dist, axis=1).astype(np.float64)
 
 
 def typed_knn(u, labels, confounders, groups, m, *, block_rows=None):
@@ -80,19 +101,28 @@ def typed_knn(u, labels, confounders, groups, m, *, block_rows=None):
         Number of nearest distances kept per type (``>= 1``).
     block_rows : int, optional
         Edge of the square distance tiles (default :data:`DEFAULT_BLOCK_ROWS`). Results do not
-        depend on it.
+        depend on it (up to the last-ulp effect of BLAS kernels chosen by tile shape).
 
     Returns
     -------
     so_dist, os_dist : float64 ndarrays of shape (n, m)
         Per row, the ``m`` smallest SO (same label, other confounder) and OS (other label, same
-        confounder) cosine distances to rows of other groups, ascending, padded with ``+inf``
-        where the pool holds fewer than ``m`` rows. Ties are irrelevant: only values are returned.
+        confounder) cosine distances ``clip(1 - u_i·u_j, 0, 2)`` (in ``u``'s dtype) to rows of other
+        groups, ascending, padded with ``+inf`` where the pool holds fewer than ``m`` rows. Ties are
+        irrelevant: only values are returned.
 
     Raises
     ------
     ValueError
         ``u`` not 2-D, code arrays of the wrong shape, ``m < 1`` or ``block_rows < 1``.
+
+    Notes
+    -----
+    Selection runs on similarities ``s = u_i·u_j``: distance is a non-increasing function of ``s``,
+    so the multiset of the ``m`` largest similarities maps exactly onto the ``m`` smallest
+    distances, and only the kept ``(n, m)`` values are converted. Same-group entries are set to
+    ``-inf``. Cells are sorted by (label, confounder), so the later SO partners of a cell form one
+    contiguous row range and are searched as one wide GEMM.
     """
     u, (labels, confounders, groups) = _check_inputs(u, labels, confounders, groups)
     m = int(m)
@@ -100,100 +130,111 @@ def typed_knn(u, labels, confounders, groups, m, *, block_rows=None):
         raise ValueError(f"m must be >= 1, got {m}")
     b = _block(block_rows)
     n = u.shape[0]
-    so_out = np.full((n, m), np.inf, dtype=np.float64)
-    os_out = np.full((n, m), np.inf, dtype=np.float64)
     if n < 2:
-        return so_out, os_out
+        return np.full((n, m), np.inf), np.full((n, m), np.inf)
 
     lab = np.unique(labels, return_inverse=True)[1].ravel().astype(np.int64)
     con = np.unique(confounders, return_inverse=True)[1].ravel().astype(np.int64)
+    grp = np.unique(groups, return_inverse=True)[1].ravel().astype(np.int64)
     n_con = int(con.max()) + 1
     cell_ids, cell_of = np.unique(lab * n_con + con, return_inverse=True)
     cell_of = cell_of.ravel()
-    cell_keys = np.stack([cell_ids // n_con, cell_ids % n_con], axis=1)  # (label, confounder) per cell
-    order = np.lexsort((np.asarray(groups), cell_of))  # by cell, then group: cells are slices
-    starts = np.concatenate([[0], np.cumsum(np.bincount(cell_of, minlength=len(cell_keys)))])
+    cell_lab, cell_con = cell_ids // n_con, cell_ids % n_con
+    order = np.lexsort((grp, cell_of))  # by cell (label-major), then group: cells are slices
+    starts = np.concatenate([[0], np.cumsum(np.bincount(cell_of, minlength=len(cell_ids)))])
     us = np.ascontiguousarray(u[order])
-    gs = np.asarray(groups)[order]
-    cell_groups = [np.unique(gs[starts[c] : starts[c + 1]]) for c in range(len(cell_keys))]
-    inf = np.array(np.inf, dtype=us.dtype)
-    best = {"so": np.full((n, m), inf, dtype=us.dtype), "os": np.full((n, m), inf, dtype=us.dtype)}
+    gs = grp[order]
+    # which groups occur in each cell (boolean incidence), to know when a mask can be needed
+    incidence = np.zeros((len(cell_ids), int(gs.max()) + 1), dtype=bool)
+    incidence[cell_of[order], gs] = True
+    neg = np.array(-np.inf, dtype=us.dtype)
+    best = {"so": np.full((n, m), neg, dtype=us.dtype), "os": np.full((n, m), neg, dtype=us.dtype)}
 
-    # SO and OS are symmetric relations between cells, so each unordered cell pair is multiplied
-    # once and every tile is reduced along both axes (rows for the first cell, columns for the
-    # second): the GEMM work is half of a per-query search.
-    for q in range(len(cell_keys)):
-        for t in range(q + 1, len(cell_keys)):
-            same_label = cell_keys[q, 0] == cell_keys[t, 0]
-            same_conf = cell_keys[q, 1] == cell_keys[t, 1]
-            if same_label == same_conf:
-                continue  # SS pairs never occur between distinct cells; OO pairs are untyped
-            buf = best["so" if same_label else "os"]
-            shared = np.intersect1d(cell_groups[q], cell_groups[t]).size > 0
+    # Each unordered (query cell, later partner cells) pair is multiplied once; every tile is
+    # reduced along its rows (for the query rows) and its columns (for the partner rows), since
+    # SO and OS are symmetric relations.
+    for q in range(len(cell_ids)):
+        same_lab_later = np.flatnonzero((cell_lab == cell_lab[q]) & (np.arange(len(cell_ids)) > q))
+        ranges = []
+        if same_lab_later.size:  # contiguous: cells of one label are adjacent
+            ranges.append(("so", starts[same_lab_later[0]], starts[same_lab_later[-1] + 1], same_lab_later))
+        for t in np.flatnonzero((cell_con == cell_con[q]) & (cell_lab > cell_lab[q])):
+            ranges.append(("os", starts[t], starts[t + 1], np.array([t])))
+        for kind, t0, t1, cells in ranges:
+            buf = best[kind]
+            shared = bool((incidence[q] & incidence[cells].any(axis=0)).any())
             for qs in range(starts[q], starts[q + 1], b):
                 qe = min(qs + b, starts[q + 1])
-                for ts in range(starts[t], starts[t + 1], b):
-                    te = min(ts + b, starts[t + 1])
-                    dist = cosine_distance_block(us[qs:qe], us[ts:te])
-                    # groups are sorted inside each cell, so a tile can hold a same-group pair
-                    # only when the two group ranges overlap
-                    if shared and gs[qe - 1] >= gs[ts] and gs[te - 1] >= gs[qs]:
-                        np.copyto(dist, inf, where=gs[qs:qe, None] == gs[None, ts:te])
-                    buf[qs:qe] = _keep_smallest(np.concatenate([buf[qs:qe], _keep_smallest(dist, m)], axis=1), m)
-                    cols = np.ascontiguousarray(dist.T)
-                    buf[ts:te] = _keep_smallest(np.concatenate([buf[ts:te], _keep_smallest(cols, m)], axis=1), m)
-    so_out[order] = np.sort(best["so"], axis=1)
-    os_out[order] = np.sort(best["os"], axis=1)
+                for ts in range(t0, t1, b):
+                    te = min(ts + b, t1)
+                    sim = us[qs:qe] @ us[ts:te].T
+                    if shared:
+                        np.copyto(sim, neg, where=gs[qs:qe, None] == gs[None, ts:te])
+                    _merge_largest(buf[qs:qe], sim, m)
+                    _merge_largest(buf[ts:te], _transpose(sim), m)
+    so_out = np.empty((n, m), dtype=np.float64)
+    os_out = np.empty((n, m), dtype=np.float64)
+    so_out[order] = _sim_to_dist(best["so"])
+    os_out[order] = _sim_to_dist(best["os"])
     return so_out, os_out
 
-    lab = np.unique(labels, return_inverse=True)[1].ravel().astype(np.int64)
-    con = np.unique(confounders, return_inverse=True)[1].ravel().astype(np.int64)
-    n_con = int(con.max()) + 1
-    cell_ids, cell_of = np.unique(lab * n_con + con, return_inverse=True)
-    cell_of = cell_of.ravel()
-    cell_keys = np.stack([cell_ids // n_con, cell_ids % n_con], axis=1)  # (label, confounder) per cell
-    order = np.lexsort((np.asarray(groups), cell_of))  # by cell, then group: cells are slices
-    starts = np.concatenate([[0], np.cumsum(np.bincount(cell_of, minlength=len(cell_keys)))])
-    us = np.ascontiguousarray(u[order])
-    gs = np.asarray(groups)[order]
-    cell_groups = [np.unique(gs[starts[c] : starts[c + 1]]) for c in range(len(cell_keys))]
-    inf = np.array(np.inf, dtype=us.dtype)
 
-    for q, (lq, cq) in enumerate(cell_keys):
-        so_cells = np.flatnonzero((cell_keys[:, 0] == lq) & (cell_keys[:, 1] != cq))
-        os_cells = np.flatnonzero((cell_keys[:, 0] != lq) & (cell_keys[:, 1] == cq))
-        for out, targets in ((so_out, so_cells), (os_out, os_cells)):
-            if targets.size == 0:
-                continue
-            shared = {int(t): np.intersect1d(cell_groups[q], cell_groups[t]).size > 0 for t in targets}
-            for qs in range(starts[q], starts[q + 1], b):
-                qe = min(qs + b, starts[q + 1])
-                queries, gq = us[qs:qe], gs[qs:qe]
-                best = np.full((qe - qs, m), inf, dtype=us.dtype)
-                for t in targets:
-                    for ts in range(starts[t], starts[t + 1], b):
-                        te = min(ts + b, starts[t + 1])
-                        dist = cosine_distance_block(queries, us[ts:te])
-                        # groups are sorted inside each cell, so a tile can hold a same-group
-                        # pair only when the two group ranges overlap
-                        if shared[int(t)] and gq[-1] >= gs[ts] and gs[te - 1] >= gq[0]:
-                            np.copyto(dist, inf, where=gq[:, None] == gs[None, ts:te])
-                        best = _keep_smallest(np.concatenate([best, _keep_smallest(dist, m)], axis=1), m)
-                out[order[qs:qe]] = np.sort(best, axis=1)
-    return so_out, os_out
+def _to_key(x: np.ndarray) -> np.ndarray:
+    """Order-preserving map of float32/float64 values to int64 keys."""
+    bits = 31 if x.dtype == np.float32 else 63
+    i = x.view(np.int32 if bits == 31 else np.int64).astype(np.int64)
+    return i ^ ((i >> bits) & ((1 << bits) - 1))
+
+
+def _from_key(k: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Inverse of :func:`_to_key`."""
+    bits = 31 if dtype == np.float32 else 63
+    i = k ^ ((k >> bits) & ((1 << bits) - 1))
+    return i.astype(np.int32 if bits == 31 else np.int64).view(dtype)
+
+
+def similarity_floor(radius: np.ndarray, dtype) -> np.ndarray:
+    """Per row, the smallest ``s`` of ``dtype`` with ``fl(1 - s) <= radius`` (in ``dtype``).
+
+    So ``1 - s <= r`` (distance as computed in ``dtype``, unclipped) holds exactly when
+    ``s >= floor``: counting on similarities is bit-equivalent to counting on distances. ``radius``
+    is cast to ``dtype`` first; ``radius >= 2`` (and ``+inf``) gives ``-inf`` (every row counts).
+    Found by bisection over the ordered integer keys of ``dtype`` (the predicate is monotone).
+    """
+    dtype = np.dtype(dtype)
+    r = np.asarray(radius, dtype=np.float64)
+    big = r >= 2.0
+    rt = np.where(big, 0.0, r).astype(dtype)
+    one = dtype.type(1)
+    # predicate false at -inf, true at +inf (radius < 2 is finite)
+    lo = np.full(r.shape, _to_key(np.array([-np.inf], dtype=dtype))[0])
+    hi = np.full(r.shape, _to_key(np.array([np.inf], dtype=dtype))[0])
+    while True:
+        open_ = hi > lo + 1
+        if not open_.any():
+            break
+        mid = (lo & hi) + ((lo ^ hi) >> 1)  # floor midpoint without overflow
+        s = _from_key(mid, dtype)
+        ok = (one - s) <= rt
+        hi = np.where(open_ & ok, mid, hi)
+        lo = np.where(open_ & ~ok, mid, lo)
+    out = _from_key(hi, dtype)
+    out[big] = -np.inf
+    return out
 
 
 def count_within(u, groups, radius, *, block_rows=None) -> np.ndarray:
     """Per row ``i``, the number of rows of other groups at cosine distance ``<= radius[i]``.
 
     ``u`` (n, d) normalised rows, ``groups`` (n,) codes, ``radius`` (n,) thresholds (``+inf`` counts
-    every cross-group row). Returns int64 (n,).
+    every cross-group row). Returns int64 (n,). Distances are ``1 - u_i·u_j`` in ``u``'s dtype with
+    thresholds cast to it; thresholds at or above 2 count every cross-group row (the clip to [0, 2]
+    is thereby implied).
 
-    One blocked pass over the upper triangle of tiles: each distance tile serves both its rows
-    (row counts) and its columns (column counts), so the GEMM work is about ``n²·d/2``. Rows are
-    ordered by group first, so the same-group mask is only built for tiles whose group ranges
-    overlap. Distances are ``1 - u_i·u_j`` in ``u``'s dtype (thresholds are cast to it); the clip to
-    [0, 2] is implied because thresholds at or above 2 are treated as ``+inf``.
+    One blocked pass over the upper triangle of tiles: each similarity tile serves both its rows
+    and its columns, so the GEMM work is about ``n²·d/2``. The comparison runs on similarities
+    against :func:`similarity_floor` (exactly equivalent, no subtraction pass). Rows are ordered by
+    group, so the same-group mask is only built for tiles whose group ranges overlap.
     """
     u, (groups, _, _) = _check_inputs(u, groups, groups, groups)
     radius = np.asarray(radius, dtype=np.float64)
@@ -204,25 +245,23 @@ def count_within(u, groups, radius, *, block_rows=None) -> np.ndarray:
     order = np.argsort(groups, kind="stable")
     us = np.ascontiguousarray(u[order])
     gs = np.asarray(groups)[order]
-    thr = np.where(radius >= 2.0, np.inf, radius)[order].astype(us.dtype)
+    floor = similarity_floor(radius[order], us.dtype)
+    acc = np.uint16 if b < (1 << 16) else np.int64
     counts = np.zeros(n, dtype=np.int64)
     for qs in range(0, n, b):
         qe = min(qs + b, n)
         for ts in range(qs, n, b):
             te = min(ts + b, n)
-            dist = us[qs:qe] @ us[ts:te].T
-            np.subtract(1, dist, out=dist)
+            sim = us[qs:qe] @ us[ts:te].T
             overlap = gs[qe - 1] >= gs[ts]  # group codes are sorted: ranges overlap only here
-            same = (gs[qs:qe, None] == gs[None, ts:te]) if overlap else None
-            hit = dist <= thr[qs:qe, None]
-            if same is not None:
-                hit &= ~same
-            counts[qs:qe] += np.count_nonzero(hit, axis=1)
+            if overlap:
+                # NaN compares False even against a -inf floor (radius >= 2 counts all others)
+                np.copyto(sim, np.nan, where=gs[qs:qe, None] == gs[None, ts:te])
+            hit = sim >= floor[qs:qe, None]
+            counts[qs:qe] += hit.view(np.uint8).sum(axis=1, dtype=acc)
             if ts != qs:
-                hit = dist <= thr[None, ts:te]
-                if same is not None:
-                    hit &= ~same
-                counts[ts:te] += np.count_nonzero(hit, axis=0)
+                hit = np.greater_equal(sim, floor[None, ts:te], out=hit)
+                counts[ts:te] += hit.view(np.uint8).sum(axis=0, dtype=acc)
     out = np.empty(n, dtype=np.int64)
     out[order] = counts
     return out

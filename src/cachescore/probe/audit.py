@@ -52,6 +52,7 @@ __all__ = [
     "CONTENT_DTYPE",
     "LeakageError",
     "audit_content",
+    "audit_cv_folds",
     "audit_sweep",
     "combine_leakage",
 ]
@@ -396,6 +397,19 @@ def audit_sweep(
         if ts not in offsets:
             warnings.append(f"test set '{ts}': no group ids given, so its groups were not audited")
 
+    # rule 7 (warning part): a protected group spanning several centres of the in-domain rows
+    spans: dict[str, dict] = {}
+    if confounders is not None:
+        for name in groups:
+            lvl = levels[name]
+            pairs = np.unique(np.stack([lvl.codes[:n_rows], conf_all_codes], axis=1), axis=0)
+            multi = np.flatnonzero(np.bincount(pairs[:, 0], minlength=lvl.n_groups) > 1)
+            if multi.size:
+                spans[name] = {"n_groups": int(multi.size),
+                               "examples": [lvl.uniques[i] for i in multi[:MAX_EXAMPLE_IDS]]}
+                warnings.append(f"{multi.size} {name}(s) span more than one centre, e.g. "
+                                f"{spans[name]['examples']}")
+
     per_outcome = []
     seeds_by_rep: dict[Any, set] = {}
     test_ref: dict[Any, tuple[Any, np.ndarray]] = {}
@@ -575,6 +589,7 @@ def audit_sweep(
         "critical": critical,
         "breaches": breaches,
         "warnings": warnings,
+        "groups_spanning_centres": spans,
         "relaxed": [name for name, on in (("missing_class", require_class_coverage),
                                           ("id_centre_unseen", require_seen_id_centres)) if not on],
         "per_outcome": per_outcome,
@@ -815,3 +830,118 @@ def combine_leakage(plan_audit: dict | None, content_audit: dict | None) -> dict
         "plan": plan_audit,
         "content": content_audit,
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# whole-partition (cross-validation) audit (spec B.3, C.3 "Cross-validation mode")
+
+
+def audit_cv_folds(
+    folds: Sequence[tuple[Any, Any]],
+    *,
+    n_rows: int,
+    groups: Mapping[str, Any],
+    tile_ids,
+    labels=None,
+    raise_on_leakage: bool = False,
+) -> dict:
+    """Audit a fold assignment as one object: every row validated once, every identity in one fold.
+
+    Parameters
+    ----------
+    folds : ``[(train_idx, validation_idx), ...]``, numbered from 1 in the report.
+    n_rows : number of rows the indices point into.
+    groups : ``{level: ids (n_rows,)}`` protected group ids (missing / blank ids refused).
+    tile_ids : ids (n_rows,) or a tuple of arrays (composite tile key); a tile family (repeated
+        key) must also sit in one validation fold.
+    labels : optional class per row; a tile key with two classes is critical ``conflicting_labels``.
+    raise_on_leakage : raise LeakageError when the audit fails.
+
+    Returns
+    -------
+    dict (JSON-safe): ``split_name = "all_cv_folds"``, ``n_samples``, ``n_folds``,
+    ``validation_membership_missing`` / ``_duplicate`` (first 20 rows) with exact counts,
+    ``overlap_counts`` per level, ``examples`` per level (first 10, ``"value -> folds a,b"``),
+    ``critical`` (fixed order: membership, protected levels, conflicts), ``warnings``, ``passed``.
+
+    Raises
+    ------
+    ValueError
+        No folds; an index outside ``[0, n_rows)`` (named); malformed identities.
+    LeakageError
+        An index in both parts of one fold (at once), or a failed audit with ``raise_on_leakage``.
+    """
+    folds = list(folds)
+    if not folds:
+        raise ValueError("no folds to audit; an empty audit never passes")
+    n_rows = int(n_rows)
+    levels, _ = _build_levels(n_rows, groups, tile_ids, {}, None)
+    val_parts, fold_ids = [], []
+    for f, (tr, va) in enumerate(folds, start=1):
+        tr = _check_rows(tr, n_rows, role="train", replicate=None, split=f"fold {f}")
+        va = _check_rows(va, n_rows, role="validation", replicate=None, split=f"fold {f}")
+        both = np.intersect1d(tr, va)
+        if both.size:
+            b = {"level": "row", "replicate": None, "split": f, "roles": ["train", "validation"],
+                 "n_ids": int(both.size), "ids": both[:MAX_EXAMPLE_IDS].tolist(),
+                 "n_rows": int(both.size), "rows": both[:MAX_EXAMPLE_ROWS].tolist()}
+            raise LeakageError(f"fold {f}: rows {both[:MAX_EXAMPLE_ROWS].tolist()} ({both.size} in all) "
+                               "are in both train and validation", [b])
+        val_parts.append(np.unique(va))
+        fold_ids.append(np.full(val_parts[-1].size, f, np.int64))
+    val_rows = np.concatenate(val_parts)
+    val_fold = np.concatenate(fold_ids)
+    membership = np.bincount(val_rows, minlength=n_rows)
+    missing = np.flatnonzero(membership == 0)
+    duplicate = np.flatnonzero(membership > 1)
+    critical: list[str] = []
+    if missing.size:
+        critical.append("validation_membership_missing")
+    if duplicate.size:
+        critical.append("validation_membership_duplicate")
+    overlap_counts: dict[str, int] = {}
+    examples: dict[str, list[str]] = {}
+    for name, lvl in levels.items():
+        pairs = np.unique(np.stack([lvl.codes[val_rows], val_fold], axis=1), axis=0)
+        n_folds_of = np.bincount(pairs[:, 0], minlength=lvl.n_groups)
+        multi = np.flatnonzero(n_folds_of > 1)
+        overlap_counts[name] = int(multi.size)
+        if multi.size:
+            critical.append(name)
+            shown = multi[:MAX_EXAMPLE_IDS]
+            sel = pairs[np.isin(pairs[:, 0], shown)]
+            folds_of = pd.Series(sel[:, 1]).groupby(sel[:, 0]).apply(list).to_dict()
+            examples[name] = [f"{lvl.uniques[c]} -> folds {','.join(map(str, folds_of[c]))}" for c in shown]
+    conflicts = 0
+    if labels is not None:
+        lab = np.asarray(labels)
+        if lab.shape != (n_rows,):
+            raise ValueError(f"labels must have shape ({n_rows},), got {lab.shape}")
+        tcodes = levels["tile"].codes
+        lab_codes = pd.factorize(pd.Series(lab, copy=False))[0]
+        pairs = np.unique(np.stack([tcodes, lab_codes], axis=1), axis=0)
+        multi = np.flatnonzero(np.bincount(pairs[:, 0], minlength=levels["tile"].n_groups) > 1)
+        conflicts = int(multi.size)
+        if multi.size:
+            critical.append("conflicting_labels")
+            examples["conflicting_labels"] = [str(levels["tile"].uniques[c]) for c in multi[:MAX_EXAMPLE_IDS]]
+    overlap_counts["conflicting_labels"] = conflicts
+    report = {
+        "schema_version": AUDIT_SCHEMA_VERSION,
+        "split_name": "all_cv_folds",
+        "n_samples": n_rows,
+        "n_folds": len(folds),
+        "levels": list(levels),
+        "validation_membership_missing": missing[:MAX_EXAMPLE_ROWS].tolist(),
+        "n_validation_membership_missing": int(missing.size),
+        "validation_membership_duplicate": duplicate[:MAX_EXAMPLE_ROWS].tolist(),
+        "n_validation_membership_duplicate": int(duplicate.size),
+        "overlap_counts": overlap_counts,
+        "examples": examples,
+        "critical": critical,
+        "warnings": [],
+        "passed": not critical,
+    }
+    if critical and raise_on_leakage:
+        raise LeakageError("Cross-validation leakage audit failed: " + ", ".join(critical), [], report)
+    return report

@@ -745,6 +745,13 @@ def evaluate_sweep(
         When False the failing audits are recorded (``passed`` False) and the sweep runs.
     content_audit : ``"critical"`` (default) or ``"warning"`` (explicit, recorded relaxation).
     class_names : one unique name per class index (default the indices as strings).
+    _prepared : internal; the ``(plan, features, labels, test sets)`` tuple of
+        :func:`cachescore.probe.plan._prepare` when the caller already built the plan (used by
+        :func:`cachescore.probe.bundle.run_encoder_evaluation` to hash before deciding to run).
+
+    Returns
+    -------
+    SweepEvaluation (``plan_sha256`` set; ``audit`` and ``content_audit`` recorded).
 
     Raises
     ------

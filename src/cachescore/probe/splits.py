@@ -42,6 +42,7 @@ __all__ = [
     "HoldoutReport",
     "centre_holdout",
     "grouped_split",
+    "nested_group_folds",
     "normalize_group_level",
 ]
 
@@ -339,3 +340,67 @@ def centre_holdout(centres, labels, groups, *, held_out: Sequence | None = None,
             m[te] = True
             masks.append(m)
     return [_one_centre_split(c_codes, c_uniq, y_codes, classes, g_codes, g_uniq, m) for m in masks]
+
+
+# ---------------------------------------------------------------------------------------------
+# nested grouped folds (spec C.4 SHOULD, A.7)
+
+
+def _fold_count(value, what: str) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be an integer of at least 2, got {value!r}")
+    k = int(value)
+    if k < 2:
+        raise ValueError(f"{what} must be at least 2, got {value!r}")
+    return k
+
+
+def _kfold(y_codes, g_codes, k, seed, where):
+    dummy = np.zeros((y_codes.size, 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "least populated class" notes
+        try:
+            if g_codes is None:
+                from sklearn.model_selection import StratifiedKFold
+
+                return list(StratifiedKFold(k, shuffle=True, random_state=seed).split(dummy, y_codes))
+            return list(StratifiedGroupKFold(k, shuffle=True, random_state=seed).split(dummy, y_codes, g_codes))
+        except ValueError as exc:
+            n_units = y_codes.size if g_codes is None else np.unique(g_codes).size
+            raise ValueError(f"{where}: cannot build {k} folds from {n_units} "
+                             f"{'rows' if g_codes is None else 'groups'} ({exc})") from exc
+
+
+def nested_group_folds(labels, *, outer_splits: int, inner_splits: int, groups=None, seed: int = 0) -> list[dict]:
+    """Outer folds, each with inner folds inside its training rows (spec A.7).
+
+    Returns ``[{"outer_fold": 1.., "train", "validation", "inner_seed", "inner": [(train, val),
+    ...]}, ...]``; all indices are global, sorted int64. Outer folds come from
+    ``StratifiedGroupKFold(outer_splits, shuffle=True, random_state=seed)`` (``StratifiedKFold``
+    without groups), inner folds from the same splitter on the outer training rows with
+    ``random_state = seed + outer_fold``, so inner layouts differ between outer folds. Groups stay
+    whole at both levels. Model selection uses inner validation folds only; each outer validation
+    fold is scored once.
+
+    Raises ValueError: a fold count below 2 (counts are cast with ``int``); missing / blank
+    group ids; too few rows or groups for the fold count (the level is named).
+    """
+    outer_k = _fold_count(outer_splits, "outer_splits")
+    inner_k = _fold_count(inner_splits, "inner_splits")
+    y = np.asarray(labels)
+    y_codes = pd.factorize(pd.Series(y, copy=False), sort=True)[0].astype(np.int64)
+    g_codes = None
+    if groups is not None:
+        g = _check_ids(groups, "groups", y.shape[0])
+        g_codes = pd.factorize(pd.Series(g, copy=False))[0].astype(np.int64)
+    out = []
+    for i, (tr, va) in enumerate(_kfold(y_codes, g_codes, outer_k, seed, "outer folds"), start=1):
+        inner_seed = int(seed) + i
+        inner = _kfold(y_codes[tr], None if g_codes is None else g_codes[tr], inner_k, inner_seed,
+                       f"inner folds of outer fold {i}")
+        out.append({
+            "outer_fold": i, "train": np.sort(tr).astype(np.int64), "validation": np.sort(va).astype(np.int64),
+            "inner_seed": inner_seed,
+            "inner": [(np.sort(tr[a]).astype(np.int64), np.sort(tr[b]).astype(np.int64)) for a, b in inner],
+        })
+    return out
