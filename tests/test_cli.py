@@ -9,9 +9,11 @@ stale; a unit failure gives exit code 1 and a failure table, a job-level error e
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +26,24 @@ from cachescore.jobs import load_job
 from cachescore.store import ResultsStore
 
 REPO = Path(__file__).resolve().parents[1]
+
+# see _collect_distributed_sockets: a socket distributed drops at teardown is not ours to fail on
+pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
+
+
+@pytest.fixture(autouse=True)
+def _collect_distributed_sockets():
+    """Collect garbage after each test with ResourceWarning ignored.
+
+    Rarely, distributed leaves an unconnected client socket from a LocalCluster's teardown race to
+    the garbage collector; its ResourceWarning would surface (as an unraisable exception) in
+    whichever later test happens to trigger a collection. A loop of runs/cluster starts in one
+    process under ``-X tracemalloc`` shows no socket leaked by cachescore itself.
+    """
+    yield
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        gc.collect()
 
 
 def test_schema_command(capsys):

@@ -630,3 +630,49 @@ def test_schedule_bounds_shortcut_agrees_with_counting():
     for start_k in (1, 10, 40, 57, 58, 59, 200):
         r, ref = both(x, df, m=2, start_k=start_k, k_growth_factor=1.5)
         assert (r.k_start, r.k_final, r.retries) == (ref.k_start, ref.k_final, ref.retries)
+
+
+# --------------------------------------------------------------------------- schedule_diagnostics
+
+
+@pytest.mark.parametrize("design", ["all", "paired_2x2"])
+def test_schedule_diagnostics_off_skips_counting_and_reports_not_computed(design, monkeypatch):
+    """``compute_with(schedule_diagnostics=False)``: no counting pass, ``k_* = retries = -1``, every
+    other field equal to the default call (which itself equals croma)."""
+    import cachescore.metrics.croma as croma_mod
+    from cachescore.metrics.croma import SCHEDULE_NOT_COMPUTED
+
+    x, df = _random_case(5, 240)
+    df["subset"] = np.where(np.arange(240) % 2, "p1", "p0")
+    kw = dict(confounder_column="scanner_vendor", m=[3, 1], start_k=4, evaluation_design=design)
+    want = CRoMa.compute(x, df, **kw)
+    assert all(r.k_final > r.k_start > 0 for r in want.values())  # the counting pass had work to do
+
+    def no_counting(*args, **kwargs):
+        raise AssertionError("count_within must not run with schedule_diagnostics=False")
+
+    monkeypatch.setattr(croma_mod, "count_within", no_counting)
+    got = CRoMa.compute_with(typed_knn, x, df, schedule_diagnostics=False, **kw)
+    assert list(got) == list(want)
+    for key in want:
+        assert (got[key].k_start, got[key].k_final, got[key].retries) == (SCHEDULE_NOT_COMPUTED,) * 3 == (-1, -1, -1)
+        for name in ("value", "std", "q_alpha", "ltm_alpha", "f0", "n_pairs", "alpha", "dataset", "m"):
+            a, b = getattr(got[key], name), getattr(want[key], name)
+            assert a == b or (np.isnan(a) and np.isnan(b)), name
+        for name in ("pair_values", "sample_values", "sample_values_aligned", "occurrence_subsets", "occurrence_source_indices"):
+            np.testing.assert_array_equal(getattr(got[key], name), getattr(want[key], name), err_msg=name)
+    # small scopes where no counting is ever needed also report "not computed", never a real value
+    small = CRoMa.compute_with(typed_knn, x[:40], df.iloc[:40], schedule_diagnostics=False, confounder_column="scanner_vendor", m=1)
+    assert (small.k_start, small.k_final, small.retries) == (-1, -1, -1)
+    assert "schedule_diagnostics" not in inspect.signature(CRoMa.compute).parameters
+
+
+def test_schedule_diagnostics_off_keeps_croma_error_message():
+    """An unresolved scope's schedule runs to the cap (no counting), so the error still quotes croma's k."""
+    x = unit_circle([0, 0.3, 1.5, 1.9])
+    df = toy_manifest(CYCLED, groups=["g0", "g0", "g1", "g1"])
+    with pytest.raises(RuntimeError) as ours:
+        CRoMa.compute_with(typed_knn, x, df, confounder_column="scanner_vendor", m=1, schedule_diagnostics=False)
+    with pytest.raises(RuntimeError) as ref:
+        croma.CRoMa.compute(x, df, confounder_column="scanner_vendor", m=1)
+    assert str(ours.value) == str(ref.value)

@@ -29,7 +29,7 @@ from ..types import CRoMaResult
 from ._manifest import Scope, check_features, check_finite_rows, coerce_manifest, normalize_design, prepare
 from .tail import compute_tail_metrics, confounder_dominant_fraction
 
-__all__ = ["CROMA_HEADLINE_M", "CrossConfounderRobustnessMargin", "CRoMa", "croma_schedule", "TypedSearch"]
+__all__ = ["CROMA_HEADLINE_M", "SCHEDULE_NOT_COMPUTED", "CrossConfounderRobustnessMargin", "CRoMa", "croma_schedule", "TypedSearch"]
 
 #: Default (headline) number of typed neighbours averaged per type.
 CROMA_HEADLINE_M = 5
@@ -37,6 +37,10 @@ CROMA_HEADLINE_M = 5
 #: ``typed_search(u, labels, confounders, groups, m) -> (so_dist, os_dist)``, each (n, m) float64
 #: ascending and ``+inf`` padded; see :func:`cachescore.neighbors.typed.typed_knn`.
 TypedSearch = Callable[..., tuple[np.ndarray, np.ndarray]]
+
+#: Value reported for ``k_start``, ``k_final`` and ``retries`` when ``compute_with`` is called with
+#: ``schedule_diagnostics=False``: "not computed" (no real schedule can produce a negative window).
+SCHEDULE_NOT_COMPUTED = -1
 
 #: Slack, in units of the compute dtype's machine epsilon, added to each unit's typed radius in the
 #: counting pass. Distances of one pair computed by two GEMMs of different shapes may differ in the
@@ -72,7 +76,11 @@ def croma_schedule(n: int, start_k: int, k_growth_factor: float, max_need: float
     return k_start, k, retries
 
 
-def _scope_schedule(u, scope: Scope, so: np.ndarray, os_: np.ndarray, *, start_k, k_growth_factor) -> tuple[int, int, int]:
+def _scope_schedule(
+    u, scope: Scope, so: np.ndarray, os_: np.ndarray, *, start_k, k_growth_factor, count=True
+) -> tuple[int, int, int] | None:
+    """The scope's ``(k_start, k_final, retries)``; ``None`` when only a counting pass could tell
+    and ``count`` is False."""
     n = scope.n
     if n <= 1:
         return 0, 0, 0
@@ -81,6 +89,8 @@ def _scope_schedule(u, scope: Scope, so: np.ndarray, os_: np.ndarray, *, start_k
     radius = np.maximum(so[:, -1], os_[:, -1])
     if not np.isfinite(radius).all():
         return croma_schedule(n, start_k, k_growth_factor, math.inf)
+    if not count:
+        return None
     # Cheap bracket: every unit needs at least its 2*m_max typed rows and at most its whole
     # cross-group pool. When both bounds give the same schedule, no counting pass is needed.
     m_max = so.shape[1]
@@ -197,14 +207,22 @@ class CrossConfounderRobustnessMargin:
         alpha=0.10,
         start_k=200,
         k_growth_factor=2.0,
+        schedule_diagnostics=True,
     ):
         """:meth:`compute` with an injected typed-neighbour backend.
 
         ``typed_search(u, labels, confounders, groups, m)`` must honour the contract of
         :func:`cachescore.neighbors.typed.typed_knn`: ``u`` (n, d) normalised rows, int codes of
         shape (n,), returns ``(so_dist, os_dist)`` float64 (n, m) ascending, ``+inf`` padded. It is
-        called once per scope with ``n >= 2``, with ``m = max(m)``. The schedule diagnostics are
-        always computed exactly (one blocked counting pass when ``start_k < n-1``).
+        called once per scope with ``n >= 2``, with ``m = max(m)``.
+
+        ``schedule_diagnostics`` (default True): compute ``k_start``/``k_final``/``retries``
+        exactly, which costs one blocked O(n²·d) counting pass per scope with ``start_k < n-1``
+        whose units are all resolved. With False that pass is skipped (for scopes too large for it,
+        e.g. ANN scopes) and all three fields are :data:`SCHEDULE_NOT_COMPUTED` (-1, "not
+        computed") in every returned result; margins and statistics are unchanged, and the
+        total-support error message still reports croma's ``k`` (an unresolved scope's schedule
+        runs to the cap, which needs no counting).
         """
         design = normalize_design(evaluation_design)
         ordered_m, single = _parse_m(m)
@@ -236,7 +254,9 @@ class CrossConfounderRobustnessMargin:
                     raise ValueError(
                         f"typed_search returned shapes {so.shape} and {os_.shape}; expected ({n}, {m_max}) each"
                     )
-                diag = _scope_schedule(u, scope, so, os_, start_k=start_k, k_growth_factor=k_growth_factor)
+                diag = _scope_schedule(
+                u, scope, so, os_, start_k=start_k, k_growth_factor=k_growth_factor, count=schedule_diagnostics
+                )
             else:
                 so = np.full((n, m_max), np.inf)
                 os_ = np.full((n, m_max), np.inf)
@@ -253,14 +273,17 @@ class CrossConfounderRobustnessMargin:
                     unit=unit,
                     m=mm,
                     n=n,
-                    k_final=diag[1],
+                    k_final=diag[1] if diag is not None else SCHEDULE_NOT_COMPUTED,
                 )
                 values_by_m[mm].append(values)
                 medians_by_m[mm].append(float(np.median(values)))
 
-        k_start = min((d[0] for d in diagnostics), default=0)
-        k_final = max((d[1] for d in diagnostics), default=0)
-        retries = max((d[2] for d in diagnostics), default=0)
+        if schedule_diagnostics:
+            k_start = min((d[0] for d in diagnostics), default=0)
+            k_final = max((d[1] for d in diagnostics), default=0)
+            retries = max((d[2] for d in diagnostics), default=0)
+        else:
+            k_start = k_final = retries = SCHEDULE_NOT_COMPUTED
         if prepared.scopes:
             subsets = np.concatenate([np.full(s.n, s.subset, dtype=object) for s in prepared.scopes]).astype(str)
         else:
