@@ -390,6 +390,7 @@ def test_ann_float64_and_zero_rows(warm):
 def test_ann_typed_recall_vs_typed_engine(warm, monkeypatch):
     u, labels, conf, groups = clustered(8000, 64, seed=13)
     monkeypatch.setattr(ann, "BRUTE_MAX_ROWS", 100)  # every target cell gets a graph
+    monkeypatch.setattr(ann, "TYPED_BRUTE_MAX_ROWS", 100)
     r = ann.typed_knn_ann_with_recall(u, labels, conf, groups, 10, random_state=0, n_recall_queries=300)
     assert r.exact_cells == 0 and r.n_cells == 8 and r.recall >= 0.99
     so, os_ = typed_knn(u, labels, conf, groups, 10)

@@ -8,7 +8,6 @@ only the remainder and ends with exactly the results of an uninterrupted run.
 
 from __future__ import annotations
 
-import gc
 import re
 import os
 import signal
@@ -30,7 +29,14 @@ from cachescore.store import ResultsStore
 
 from cluster_utils import dask_subprocess_cluster  # noqa: F401  (fixture)
 
-pytestmark = [pytest.mark.cluster, pytest.mark.filterwarnings("ignore::ResourceWarning")]
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(autouse=True)
+def _pinned_code_version(monkeypatch):
+    """Pin the code version: other people edit metrics/ and neighbors/ while these tests run, and
+    an edit between two runs would (correctly) change every fingerprint."""
+    monkeypatch.setenv("CACHESCORE_CODE_VERSION", "test-pinned")
 
 JOB = """schema_version = 1
 [job]
@@ -44,13 +50,6 @@ m = [1, 3, 5]
 retries = 1
 """
 
-
-@pytest.fixture(autouse=True)
-def _collect():
-    yield
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ResourceWarning)
-        gc.collect()
 
 
 @pytest.fixture(scope="module")

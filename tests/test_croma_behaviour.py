@@ -7,7 +7,11 @@ Pins (spec/metrics.md §7, §1.8, Appendix A, §11 tests 1–30, 53–54, 118–
 * the empty manifest returns croma's NaN result (with numpy's empty-slice warning), one row raises;
 * ``typed_knn`` equals an independent brute-force typed search; results do not depend on block
   sizes, on numpy vs dask input, or on the search schedule; ``compute_with`` honours an injected
-  backend and calls it once per scope with ``max(m)``.
+  backend and calls it once per scope with ``max(m)``;
+* ``compute_with(schedule_diagnostics=False)`` never runs the counting pass, reports
+  ``k_start = k_final = retries = -1`` and leaves every other field unchanged;
+* ``similarity_floor`` makes the similarity comparison of ``count_within`` bit-equivalent to the
+  distance comparison.
 """
 
 from __future__ import annotations
@@ -676,3 +680,21 @@ def test_schedule_diagnostics_off_keeps_croma_error_message():
     with pytest.raises(RuntimeError) as ref:
         croma.CRoMa.compute(x, df, confounder_column="scanner_vendor", m=1)
     assert str(ours.value) == str(ref.value)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_similarity_floor_is_bit_equivalent_to_the_distance_comparison(dtype):
+    from cachescore.neighbors.typed import similarity_floor
+
+    rng = np.random.default_rng(3)
+    radius = rng.uniform(0, 2.2, 500)
+    radius[:6] = [0.0, np.inf, 1e-12, 2.0, 1.9999999, 0.5]
+    floor = similarity_floor(radius, dtype)
+    r = np.where(radius >= 2.0, np.inf, radius).astype(dtype)
+    sims = rng.uniform(-1.01, 1.01, 3000).astype(dtype)
+    finite = np.isfinite(floor)
+    # include every row's floor and its predecessor: the boundary itself is tested
+    sims = np.concatenate([sims, floor[finite], np.nextafter(floor[finite], dtype(-np.inf))])
+    by_distance = (dtype(1) - sims[None, :]) <= r[:, None]
+    np.testing.assert_array_equal(sims[None, :] >= floor[:, None], by_distance)
+    assert floor.dtype == dtype and np.isneginf(floor[[1, 3]]).all() and floor[0] == 1.0

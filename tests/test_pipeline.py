@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import re
 import shutil
 import threading
 import warnings
@@ -37,6 +38,13 @@ from cachescore.store import ResultsStore
 
 CALLS: list[str] = []
 _LOCK = threading.Lock()
+
+
+@pytest.fixture(autouse=True)
+def _pinned_code_version(monkeypatch):
+    """Pin the code version: other people edit metrics/ and neighbors/ while these tests run, and
+    an edit between two runs would (correctly) change every fingerprint."""
+    monkeypatch.setenv("CACHESCORE_CODE_VERSION", "test-pinned")
 
 
 def fake_score(unit, features, manifest):
@@ -114,6 +122,19 @@ def test_plan_rejects_unknown_encoder(tmp_path, demo_cache):
     job = make_job(tmp_path, demo_cache, job={"encoders": ["enc0", "nope"]})
     with pytest.raises(ValueError, match=r"encoder\(s\) nope not in cache .* \(it has: enc0, enc1, enc2\)"):
         plan_job(job)
+
+
+def test_code_version_enters_fingerprints(tmp_path, demo_cache, monkeypatch):
+    from cachescore import __version__
+    from cachescore.pipeline.plan import _source_code_version, code_version
+
+    pinned = [u.fingerprint for u in plan_job(make_job(tmp_path, demo_cache)).pending]
+    monkeypatch.setenv("CACHESCORE_CODE_VERSION", "other")
+    assert code_version() == "other"
+    assert not set(pinned) & {u.fingerprint for u in plan_job(make_job(tmp_path, demo_cache)).pending}
+    monkeypatch.delenv("CACHESCORE_CODE_VERSION")
+    assert code_version() == _source_code_version()
+    assert re.fullmatch(re.escape(__version__) + r"\+[0-9a-f]{12}", code_version())
 
 
 def test_resolve_backend():

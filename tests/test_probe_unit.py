@@ -369,7 +369,7 @@ def test_view_errors(cache, edit, change, message):
 
 def test_unit_errors_before_fitting(cache, tmp_path, monkeypatch):
     spy = FitSpy(monkeypatch)
-    too_big = [SCHEDULE[0], {"split_map": [[0, 0, 7 * RPS], [1, 1, 7 * RPS]], "max_train_slides": 7}]
+    too_big = [SCHEDULE[0], {"split_map": [[0, 0, 8 * RPS], [1, 1, 8 * RPS]], "max_train_slides": 8}]
     with pytest.raises(ValueError, match=r"cell \(0, 0\) holds 24 rows, too few"):
         run_probe_unit(cache.root, "enc", "v", {**RAW, "schedule": too_big}, bundle_root=tmp_path)
     with pytest.raises(ProbeParamsError, match=r"view 'v' .*: no column 'subsett'"):

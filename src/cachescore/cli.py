@@ -2,7 +2,7 @@
 
 Commands are thin: parse, call the library, format, return an exit code.
 
-* ``cachescore run JOB [--scheduler ADDR]`` – score every pending unit of a job
+* ``cachescore run JOB [--scheduler ADDR]`` (alias ``rescore``) – score every pending unit of a job
   (:func:`cachescore.pipeline.run_job`). Exit 0 when every unit is scored, 1 when any unit
   failed (a table of failures is printed), 2 for a job-level error (bad job file, missing cache,
   unreachable scheduler).
@@ -185,7 +185,6 @@ def _cmd_import(args) -> int:
 
 def _cmd_demo(args) -> int:
     from .jobs import load_job
-    from .pipeline import run_job
 
     workdir = Path(args.dir).resolve()
     (workdir / "jobs").mkdir(parents=True, exist_ok=True)
@@ -198,7 +197,6 @@ def _cmd_demo(args) -> int:
     job = load_job(job_path)
     info = json.loads((Path(job.cache) / "cache.json").read_text(encoding="utf-8"))
     print("intended ranking (most robust first): " + " > ".join(info.get("intended_confounder_ranking", [])))
-    _ = run_job  # the run itself happened in _cmd_run
     return rc
 
 
@@ -213,7 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cachescore", description="Robustness scoring of embedding caches on Dask.")
     sub = p.add_subparsers(dest="command", required=True)
 
-    r = sub.add_parser("run", help="score every pending work unit of a job")
+    r = sub.add_parser("run", aliases=["rescore"],
+                       help="score every pending work unit of a job (only what is new or changed)")
     r.add_argument("job", help="job file (TOML)")
     r.add_argument("--scheduler", default=None, help="address of a running Dask scheduler (tcp://host:port); "
                                                      "default: a LocalCluster on 127.0.0.1")

@@ -10,7 +10,11 @@ The reference finds the typed neighbours by growing a kNN window (start ``start_
 exact per-cell typed search (:func:`cachescore.neighbors.typed.typed_knn`, or any callable with its
 contract passed to :meth:`CrossConfounderRobustnessMargin.compute_with`). Only the diagnostics
 ``k_start``/``k_final``/``retries`` depend on the schedule; they are reproduced arithmetically
-from one counting pass (§7.10) instead of by growing a window.
+from one counting pass (§7.10) instead of by growing a window; ``compute_with(...,
+schedule_diagnostics=False)`` skips that pass (an O(n²·d) GEMM pass, impossible for huge ANN
+scopes) and reports them as :data:`SCHEDULE_NOT_COMPUTED` (-1). Both passes are injectable
+(``typed_search``, ``count_search``), e.g. with the Dask-distributed twins of
+:mod:`cachescore.pipeline.blocked_search`.
 
 Total support is a contract: any unit without ``m`` SO and ``m`` OS neighbours, or with a zero
 denominator, raises ``RuntimeError`` and no result is returned (§7.5).
@@ -77,7 +81,7 @@ def croma_schedule(n: int, start_k: int, k_growth_factor: float, max_need: float
 
 
 def _scope_schedule(
-    u, scope: Scope, so: np.ndarray, os_: np.ndarray, *, start_k, k_growth_factor, count=True
+    u, scope: Scope, so: np.ndarray, os_: np.ndarray, *, start_k, k_growth_factor, count=True, count_search=count_within
 ) -> tuple[int, int, int] | None:
     """The scope's ``(k_start, k_final, retries)``; ``None`` when only a counting pass could tell
     and ``count`` is False."""
@@ -99,7 +103,7 @@ def _scope_schedule(
     if croma_schedule(n, start_k, k_growth_factor, lower) == croma_schedule(n, start_k, k_growth_factor, upper):
         return croma_schedule(n, start_k, k_growth_factor, upper)
     slack = _COUNT_SLACK_EPS * float(np.finfo(u.dtype).eps)
-    need = count_within(u, scope.groups, radius + slack)
+    need = count_search(u, scope.groups, radius + slack)
     return croma_schedule(n, start_k, k_growth_factor, int(need.max()))
 
 
@@ -208,6 +212,7 @@ class CrossConfounderRobustnessMargin:
         start_k=200,
         k_growth_factor=2.0,
         schedule_diagnostics=True,
+        count_search=None,
     ):
         """:meth:`compute` with an injected typed-neighbour backend.
 
@@ -223,6 +228,10 @@ class CrossConfounderRobustnessMargin:
         computed") in every returned result; margins and statistics are unchanged, and the
         total-support error message still reports croma's ``k`` (an unresolved scope's schedule
         runs to the cap, which needs no counting).
+
+        ``count_search(u, groups, radius) -> counts`` replaces the counting pass's kernel
+        (default :func:`cachescore.neighbors.typed.count_within`, whose contract it must honour),
+        e.g. ``cachescore.pipeline.blocked_search.make_search(client, "count")``.
         """
         design = normalize_design(evaluation_design)
         ordered_m, single = _parse_m(m)
@@ -255,7 +264,14 @@ class CrossConfounderRobustnessMargin:
                         f"typed_search returned shapes {so.shape} and {os_.shape}; expected ({n}, {m_max}) each"
                     )
                 diag = _scope_schedule(
-                u, scope, so, os_, start_k=start_k, k_growth_factor=k_growth_factor, count=schedule_diagnostics
+                    u,
+                    scope,
+                    so,
+                    os_,
+                    start_k=start_k,
+                    k_growth_factor=k_growth_factor,
+                    count=schedule_diagnostics,
+                    count_search=count_within if count_search is None else count_search,
                 )
             else:
                 so = np.full((n, m_max), np.inf)

@@ -47,6 +47,8 @@ __all__ = [
     "AnnKnnResult",
     "AnnTypedResult",
     "auto_n_neighbors",
+    "auto_proxy_dim",
+    "project_rows",
     "cross_group_knn_ann",
     "cross_group_knn_ann_with_recall",
     "typed_knn_ann",
@@ -74,6 +76,10 @@ GATHER_BYTES = 64 * 2**20
 
 #: Edge of the square distance tiles used by the brute-force paths (audit and small scopes).
 BRUTE_BLOCK = 2048
+
+#: Target cells with at most this many rows are searched by brute force in the typed search: a
+#: per-cell graph costs a fixed ~10 s (numba compiles each index's query closure) plus the build.
+TYPED_BRUTE_MAX_ROWS = 32768
 
 #: Query rows handled at once by a graph search (bounds the candidate tables).
 QUERY_BLOCK = 16384
@@ -267,6 +273,32 @@ def _brute(u, groups, qrows, trows, k, *, block=BRUTE_BLOCK):
 # a searched scope: a graph over some rows, or brute force when small
 
 
+def auto_proxy_dim(d: int) -> int | None:
+    """Default width of the search proxy: 128 for rows wider than 192, else None (search on u)."""
+    return 128 if d > 192 else None
+
+
+def project_rows(u, dim, *, random_state=None, sample=10000, block=65536) -> np.ndarray:
+    """float32 (n, dim) search proxy of ``u``: the rows projected on the top-``dim`` right
+    singular vectors of a sample of rows (uncentred, so dot products are what is kept), then
+    L2-normalised (zero rows stay zero). Only proposes candidates; every distance that is
+    returned is recomputed from ``u``. Memory: ``n × dim`` float32 plus one block.
+    """
+    n, d = u.shape
+    rng = np.random.default_rng(random_state)
+    pick = np.sort(rng.choice(n, size=min(n, int(sample)), replace=False))
+    x = np.asarray(u[pick], dtype=np.float64)
+    _, vecs = np.linalg.eigh(x.T @ x)  # ascending eigenvalues
+    basis = np.ascontiguousarray(vecs[:, ::-1][:, :dim], dtype=np.float32)
+    z = np.empty((n, dim), dtype=np.float32)
+    for s in range(0, n, block):
+        zb = np.asarray(u[s : s + block], dtype=np.float32) @ basis
+        norms = np.linalg.norm(zb, axis=1, keepdims=True)
+        norms[norms == 0] = 1.0
+        z[s : s + block] = zb / norms
+    return z
+
+
 def auto_n_neighbors(gmax: int) -> int:
     """Default graph degree for a scope whose largest group has ``gmax`` rows: 30, raised to
     ``0.6 * gmax`` (at most 96) so that the graph keeps edges between groups."""
@@ -276,8 +308,9 @@ def auto_n_neighbors(gmax: int) -> int:
 class _Scope:
     """The rows one graph is built on (``rows``, sorted global indices) and how to query it."""
 
-    def __init__(self, u, groups, rows, *, n_neighbors, seed, n_jobs, metric, brute):
+    def __init__(self, u, groups, rows, *, n_neighbors, seed, n_jobs, metric, brute, z=None):
         self.u, self.groups, self.rows = u, groups, rows
+        self.z = u if z is None else z  # what the graph is built on and queried with
         _, counts = np.unique(groups[rows], return_counts=True)
         self.gmax = int(counts.max()) if counts.size else 0
         if n_neighbors is None:
@@ -287,10 +320,10 @@ class _Scope:
         if not self.brute:
             from pynndescent import NNDescent
 
-            if rows.size == u.shape[0] and u.dtype == np.float32:
-                data = u  # pynndescent makes its own normalised float32 copy
+            if rows.size == self.z.shape[0] and self.z.dtype == np.float32:
+                data = self.z  # pynndescent makes its own normalised float32 copy
             else:
-                data = np.ascontiguousarray(u[rows], dtype=np.float32)
+                data = np.ascontiguousarray(self.z[rows], dtype=np.float32)
             self.index = NNDescent(
                 data,
                 metric=metric,
@@ -314,7 +347,7 @@ class _Scope:
         width = int(min(width, self.rows.size))
         out = np.empty((qrows.size, width), dtype=np.int64)
         for s in range(0, qrows.size, block):
-            q = np.ascontiguousarray(self.u[qrows[s : s + block]], dtype=np.float32)
+            q = np.ascontiguousarray(self.z[qrows[s : s + block]], dtype=np.float32)
             local, _ = self.index.query(q, k=width, epsilon=epsilon)
             local = local.astype(np.int64)
             out[s : s + block] = np.where(local < 0, -1, self.rows[np.maximum(local, 0)])
@@ -482,6 +515,17 @@ def measure_typed_recall(
 # public ANN searches
 
 
+def _proxy(u, proxy_dim, seed):
+    if proxy_dim == "auto":
+        proxy_dim = auto_proxy_dim(u.shape[1])
+    if proxy_dim is None:
+        return None
+    proxy_dim = _check_positive_int("proxy_dim", proxy_dim)
+    if proxy_dim >= u.shape[1]:
+        return None
+    return project_rows(u, proxy_dim, random_state=seed)
+
+
 def cross_group_knn_ann_with_recall(
     u,
     groups,
@@ -496,6 +540,7 @@ def cross_group_knn_ann_with_recall(
     n_recall_queries=1000,
     n_expand=8,
     metric="cosine",
+    proxy_dim="auto",
 ) -> AnnKnnResult:
     """Cross-group kNN by pynndescent candidates + exact refinement, with its measured recall.
 
@@ -527,6 +572,10 @@ def cross_group_knn_ann_with_recall(
     n_expand : int >= 0
         Neighbours of the first ``n_expand`` kept rows are added in each widening round.
     metric : "cosine" or "dot" (pynndescent metric; both only propose candidates).
+    proxy_dim : int, None or "auto"
+        Build and query the graph on :func:`project_rows` of this width instead of ``u``
+        (cheaper graph, smaller float32 copy); ``"auto"`` = :func:`auto_proxy_dim`. Candidates
+        only: distances always come from ``u`` and the recall audit still applies.
 
     Returns
     -------
@@ -561,8 +610,12 @@ def cross_group_knn_ann_with_recall(
             recall_target=target, n_recall_queries=0, rounds=0, candidate_width=0, exact=True,
         )
     width = min(n, kmax + int(np.unique(groups, return_counts=True)[1].max()) + 1)
+    z = None
+    if width < n and n > BRUTE_MAX_ROWS:
+        z = _proxy(u, proxy_dim, seed)
     scope = _Scope(
-        u, groups, rows, n_neighbors=n_neighbors, seed=seed, n_jobs=n_jobs, metric=metric, brute=width >= n
+        u, groups, rows, n_neighbors=n_neighbors, seed=seed, n_jobs=n_jobs, metric=metric,
+        brute=width >= n, z=z,
     )
     if scope.brute:
         idx, dist = _brute(u, groups, rows, rows, kmax)
@@ -618,6 +671,7 @@ def typed_knn_ann_with_recall(
     n_recall_queries=1000,
     n_expand=4,
     metric="cosine",
+    proxy_dim="auto",
 ) -> AnnTypedResult:
     """Typed (SO / OS) neighbour distances by one pynndescent graph per target cell.
 
@@ -628,7 +682,7 @@ def typed_knn_ann_with_recall(
     the per-cell top-m lists are merged per type, and the pooled SO+OS recall is measured on
     ``n_recall_queries`` sampled rows against :func:`exact_typed_rows`; below ``recall_target``
     every cell query is widened as in :func:`cross_group_knn_ann_with_recall`. Cells of at most
-    ``BRUTE_MAX_ROWS`` rows are searched by brute force.
+    ``TYPED_BRUTE_MAX_ROWS`` rows are searched by brute force (blocked GEMM, exact).
 
     Parameters are those of :func:`cross_group_knn_ann_with_recall`, with ``labels`` and
     ``confounders`` integer codes of shape (n,) and ``m >= 1`` in place of ``kmax``.
@@ -661,6 +715,8 @@ def typed_knn_ann_with_recall(
     pairs = np.stack([labels, confounders], axis=1)
     keys, cell_of = np.unique(pairs, axis=0, return_inverse=True)
     cell_of = cell_of.ravel()
+    sizes = np.bincount(cell_of, minlength=len(keys))
+    z = _proxy(u, proxy_dim, seed) if sizes.max(initial=0) > TYPED_BRUTE_MAX_ROWS else None
     cells = []  # (scope, query rows, query is SO (bool per query))
     for t, (lt, ct) in enumerate(keys):
         trows = np.flatnonzero(cell_of == t)
@@ -670,7 +726,10 @@ def typed_knn_ann_with_recall(
         if qrows.size == 0:
             continue
         cell_seed = None if seed is None else seed + 7919 * t
-        scope = _Scope(u, groups, trows, n_neighbors=n_neighbors, seed=cell_seed, n_jobs=n_jobs, metric=metric, brute=False)
+        scope = _Scope(
+            u, groups, trows, n_neighbors=n_neighbors, seed=cell_seed, n_jobs=n_jobs, metric=metric,
+            brute=trows.size <= TYPED_BRUTE_MAX_ROWS, z=z,
+        )
         cells.append((scope, qrows, q_so[qrows]))
 
     audit = _sample(n, n_recall_queries, seed) if n else np.empty(0, np.int64)

@@ -1,24 +1,33 @@
 """Exact blocked cross-group k-nearest-neighbour search on normalised rows (spec/metrics.md §3, §12.4a).
 
-The search runs over row blocks × column blocks. Each block of cosine distances is one BLAS GEMM
-(:func:`~cachescore.neighbors.normalize.cosine_distance_block`); entries of the query's own group
-(self included) are set to ``+inf`` *before* anything is selected, and each row's running top-k is
-merged with the block's surviving candidates straight away. Peak memory is a few blocks
-(``block_rows × block_cols``) plus the ``(n, kmax)`` output; an ``n × n`` matrix is never built.
+Symmetric tiling. The scope is cut into square row blocks ``B_0, B_1, …``; for every pair
+``I <= J`` one BLAS GEMM gives the similarity tile ``S = U_I @ U_J.T``, and that one tile is
+reduced to top-k candidates along **both** axes: its rows feed the rows of ``B_I``, its columns
+the rows of ``B_J``. Every distance is therefore computed once (about half the flops of a
+query-by-query search), and ``d(i, j) == d(j, i)`` bit for bit. Entries of a row's own group
+(self included) are set to ``-inf`` in the tile before anything is selected. Peak memory is one
+tile plus the ``(n, kmax)`` output; an ``n × n`` matrix is never built.
 
 Order contract: each output row is sorted by ``(distance, scope row index)`` ascending, so equal
 distances are broken by the smaller index (spec §3.4: the reference's own tie order is
 platform-defined; ours is deterministic).
 
-Selection works on the similarity block ``S = Q @ X.T`` with a per-row bound, so the full block
-is touched only by the GEMM, one comparison and one ``flatnonzero``: once a row holds ``kmax``
-entries, a later entry can enter only if its distance is strictly below the current ``kmax``-th
-distance ``t`` (column blocks are visited in increasing index order, so an equal distance always
-loses the index tie-break), which implies ``S > 1 - t - ulp``; in the first block the
-``kmax``-th largest similarity over a column sample gives the bound. The bound keeps a small
-slack (a superset of the true survivors). Exact distances ``clip(1 - S, 0, 2)`` — the same
-arithmetic as :func:`~cachescore.neighbors.normalize.cosine_distance_block` — are computed for
-the survivors only, and merged with the running lists by one sort on ``(row, distance, index)``.
+Selection works on similarities with a per-row lower bound, so a tile is touched only by the
+GEMM, two comparisons, one ``or`` and one ``flatnonzero``. The pairs are visited as
+``for I: for J >= I`` so every row meets its column blocks in increasing index order; once a row
+holds ``kmax`` entries a later entry can enter only if its distance is strictly below the current
+``kmax``-th distance ``t`` (an equal distance loses the index tie-break), which implies
+``S > 1 - t - ulp``. A row with fewer than ``kmax`` entries takes its bound from the ``kmax``-th
+largest similarity over a sample of the tile (it bounds the row's final ``kmax``-th nearest).
+Bounds keep a small slack (a superset of the true survivors). Exact distances
+``clip(1 - S, 0, 2)`` — the arithmetic of
+:func:`~cachescore.neighbors.normalize.cosine_distance_block` — are computed for the survivors
+only and merged with the running lists by one stable sort on ``(row, distance)``: running
+entries precede the tile's, and both are in increasing index order, so stability is the index
+tie-break.
+
+``rows=`` restricts the search to a subset of query rows (for distributing one scope over
+workers); it runs the same selection over query-row × column tiles in increasing column order.
 """
 
 from __future__ import annotations
@@ -31,18 +40,27 @@ __all__ = ["cross_group_knn", "farthest_rows", "default_block_sizes"]
 
 #: Target number of distance entries in one block (rows × columns); ~32 MiB in float32.
 _BLOCK_ENTRIES = 1 << 23
+#: Target edge of a square tile of the symmetric search.
+_TILE = 2048
+#: Bound on the same-group pair list held per row block (row block × largest group).
+_PAIR_ENTRIES = 1 << 22
 
 
 def default_block_sizes(n: int, dtype) -> tuple[int, int]:
-    """Row and column block sizes for a scope of ``n`` rows (at most 2048 × 4096 entries).
-
-    Narrow column blocks keep the first-block ``np.partition`` cheap; later blocks only compare
-    against the running threshold."""
+    """Row and column block sizes of the query-row path / :func:`farthest_rows` (≤ 2048 × 4096)."""
     cols = int(min(max(n, 1), 4096))
     rows = int(max(256, min(max(n, 1), _BLOCK_ENTRIES // max(cols, 1))))
     if np.dtype(dtype) == np.float64:
         rows = max(256, rows // 2)
     return rows, cols
+
+
+def _tile_size(n: int, dtype, largest_group: int) -> int:
+    """Edge of the square tiles: ≤ ``_TILE`` (float64: half), equal tiles covering ``n``."""
+    target = _TILE if np.dtype(dtype) == np.float32 else _TILE // 2
+    target = min(target, max(64, _PAIR_ENTRIES // max(1, largest_group)))
+    blocks = -(-max(n, 1) // target)
+    return -(-max(n, 1) // blocks)
 
 
 def _check_inputs(u: np.ndarray, groups: np.ndarray, kmax: int):
@@ -61,21 +79,160 @@ def _check_inputs(u: np.ndarray, groups: np.ndarray, kmax: int):
     return np.ascontiguousarray(u), groups.astype(np.int64, copy=False)
 
 
-def _same_group_pairs(groups: np.ndarray, r0: int, r1: int, order: np.ndarray, starts: np.ndarray):
-    """(local row, global column) of every same-group pair for rows r0..r1, sorted by column."""
-    g = groups[r0:r1]
-    lo = starts[g]
-    hi = starts[g + 1]
-    sizes = hi - lo
-    total = int(sizes.sum())
-    local = np.repeat(np.arange(r1 - r0, dtype=np.int64), sizes)
-    offsets = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes)
-    cols = order[np.repeat(lo, sizes) + offsets]
-    by_col = np.argsort(cols, kind="stable")
-    return local[by_col], cols[by_col]
+class _Groups:
+    """Group membership lists (CSR), to mask same-group pairs without a (rows × cols) comparison."""
+
+    def __init__(self, groups: np.ndarray):
+        self.groups = groups
+        self.order = np.argsort(groups, kind="stable")
+        n_groups = int(groups.max()) + 1 if groups.size else 0
+        self.starts = np.zeros(n_groups + 1, dtype=np.int64)
+        np.cumsum(np.bincount(groups, minlength=n_groups), out=self.starts[1:])
+        self.largest = int(np.diff(self.starts).max()) if n_groups else 1
+
+    def pairs(self, query_rows: np.ndarray):
+        """(position in ``query_rows``, scope column) of every same-group pair, sorted by column."""
+        g = self.groups[query_rows]
+        lo = self.starts[g]
+        sizes = self.starts[g + 1] - lo
+        total = int(sizes.sum())
+        local = np.repeat(np.arange(query_rows.size, dtype=np.int64), sizes)
+        offsets = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+        cols = self.order[np.repeat(lo, sizes) + offsets]
+        by_col = np.argsort(cols, kind="stable")
+        return local[by_col], cols[by_col]
 
 
-def cross_group_knn(u, groups, kmax: int, *, block_rows: int | None = None, block_cols: int | None = None):
+class _Running:
+    """The running ``(n, kk)`` top lists and the bound logic of the selection."""
+
+    def __init__(self, n: int, kk: int, dtype):
+        self.kk = kk
+        self.dist = np.full((n, kk), np.inf, dtype=np.float64)
+        self.idx = np.full((n, kk), -1, dtype=np.int64)
+        self.f32 = np.dtype(dtype) == np.float32
+        self.dtype = np.dtype(dtype)
+        # similarity slack covering the rounding of 1 - S (a few ulp near 1) and of the bound's cast
+        self.margin = 1e-6 if self.f32 else 4e-15
+
+    def bounds(self, r0: int, r1: int, maxima_fn) -> np.ndarray:
+        """Similarity lower bounds (compute dtype) for running rows ``r0:r1`` against one tile.
+
+        A full row's bound comes from its ``kk``-th distance. A row not yet full gets the
+        ``kk``-th largest of ``maxima_fn(rows)``: maxima of disjoint column chunks of the tile
+        (shape (len(rows), chunks), ``chunks >= kk``; ``None`` when the tile is narrower than
+        ``kk``). ``kk`` chunks reaching a value hold ``kk`` distinct rows at least as similar, so
+        the row's final ``kk``-th nearest is at least that near.
+        """
+        t = self.dist[r0:r1, self.kk - 1]
+        low = (1.0 - t) - self.margin  # -inf where the row is not full
+        need = np.flatnonzero(np.isinf(t))
+        if need.size:
+            maxima = maxima_fn(need)
+            if maxima is not None:
+                chunks = maxima.shape[1]
+                s_k = np.partition(maxima, chunks - self.kk, axis=1)[:, chunks - self.kk].astype(np.float64)
+                # clip(1 - S, 0, 2) ties every S >= 1 at 0 and every S <= -1 at 2: keep them all
+                b = np.minimum(s_k, 1.0) - self.margin
+                b[s_k <= -1.0 + self.margin] = -np.inf
+                low[need] = b
+        return low.astype(self.dtype)
+
+    def merge(self, r0: int, r1: int, rows: np.ndarray, cand_s: np.ndarray, cand_i: np.ndarray, grouped: bool) -> None:
+        """Merge candidates (``rows`` relative to ``r0``, similarities, scope indices) into ``r0:r1``.
+
+        The candidates of one row must come in increasing index order and have larger indices
+        than that row's running entries (the visiting order guarantees both); ``grouped``: the
+        candidates are already sorted by row. Each touched row's running list and candidates are
+        laid side by side in one padded matrix and sorted stably by distance along the row, so
+        equal distances keep index order: the ``(distance, index)`` order.
+        """
+        if rows.size == 0:
+            return
+        kk = self.kk
+        m = r1 - r0
+        if not grouped:
+            key = rows.astype(np.int16) if m <= np.iinfo(np.int16).max else rows  # int16: radix sort
+            order = np.argsort(key, kind="stable")
+            rows, cand_s, cand_i = rows[order], cand_s[order], cand_i[order]
+        counts = np.bincount(rows, minlength=m)
+        touched = np.flatnonzero(counts)
+        t = touched.size
+        # rows as a slice when every row is touched (the common case): no fancy indexing
+        where = slice(r0, r1) if t == m else r0 + touched
+        counts = counts[touched]
+        width = kk + int(counts.max())
+        # exactly cosine_distance_block's arithmetic, on the candidates only
+        cand_d = np.clip(np.subtract(1, cand_s), 0, 2).astype(np.float64)
+        if t * width > 4 * (t * kk + rows.size) + (1 << 16):
+            self._merge_flat(r0, touched, np.repeat(np.arange(t), counts), cand_d, cand_i)
+            return
+        dist = np.full((t, width), np.inf)
+        idx = np.full((t, width), -1, dtype=np.int64)
+        dist[:, :kk] = self.dist[where]
+        idx[:, :kk] = self.idx[where]
+        starts = np.cumsum(counts) - counts
+        slot = np.repeat(np.arange(t), counts)
+        col = kk + np.arange(rows.size) - np.repeat(starts, counts)
+        dist[slot, col] = cand_d
+        idx[slot, col] = cand_i
+        perm = np.argsort(dist, axis=1, kind="stable")[:, :kk]
+        self.dist[where] = np.take_along_axis(dist, perm, axis=1)
+        self.idx[where] = np.take_along_axis(idx, perm, axis=1)
+
+    def _merge_flat(self, r0: int, touched: np.ndarray, new_r: np.ndarray, new_d: np.ndarray, new_i: np.ndarray) -> None:
+        """:meth:`merge` for very uneven candidate counts: one sort on ``(row, distance, index)``."""
+        kk = self.kk
+        old_d = self.dist[r0 + touched]
+        old_i = self.idx[r0 + touched]
+        keep = np.isfinite(old_d)
+        all_r = np.concatenate([np.nonzero(keep)[0], new_r])
+        all_d = np.concatenate([old_d[keep], new_d])
+        all_i = np.concatenate([old_i[keep], new_i])
+        perm = np.lexsort((all_i, all_d, all_r))
+        all_r, all_d, all_i = all_r[perm], all_d[perm], all_i[perm]
+        first = np.searchsorted(all_r, np.arange(touched.size))
+        rank = np.arange(all_r.size) - first[all_r]
+        sel = rank < kk
+        out_d = np.full((touched.size, kk), np.inf)
+        out_i = np.full((touched.size, kk), -1, dtype=np.int64)
+        out_d[all_r[sel], rank[sel]] = all_d[sel]
+        out_i[all_r[sel], rank[sel]] = all_i[sel]
+        self.dist[r0 + touched] = out_d
+        self.idx[r0 + touched] = out_i
+
+
+def _row_maxima(sim: np.ndarray, rows: np.ndarray, kk: int):
+    """Maxima of ``min(width, 4 kk)`` disjoint, interleaved column chunks for ``rows`` of ``sim``."""
+    width = sim.shape[1]
+    if width < kk:
+        return None
+    chunks = min(width, 4 * kk)
+    c = width // chunks
+    part = sim[:, : c * chunks] if rows.size == sim.shape[0] else sim[rows, : c * chunks]
+    return part.reshape(part.shape[0], c, chunks).max(axis=1)
+
+
+def _col_maxima(sim: np.ndarray, cols: np.ndarray, kk: int):
+    """:func:`_row_maxima` of the columns ``cols`` of ``sim`` (chunks of its rows)."""
+    height = sim.shape[0]
+    if height < kk:
+        return None
+    chunks = min(height, 4 * kk)
+    c = height // chunks
+    part = sim[: c * chunks] if cols.size == sim.shape[1] else sim[: c * chunks, cols]
+    return np.ascontiguousarray(part.reshape(c, chunks, part.shape[1]).max(axis=0).T)
+
+
+def cross_group_knn(
+    u,
+    groups,
+    kmax: int,
+    *,
+    block_rows: int | None = None,
+    block_cols: int | None = None,
+    rows: slice | None = None,
+):
     """The ``kmax`` nearest cross-group rows of every row, exactly.
 
     Parameters
@@ -89,7 +246,12 @@ def cross_group_knn(u, groups, kmax: int, *, block_rows: int | None = None, bloc
     kmax : int
         Window width, ``>= 1``. May exceed the number of cross-group rows.
     block_rows, block_cols : int, optional
-        Block sizes; the result does not depend on them.
+        Tile sizes; the result does not depend on them. The symmetric search uses square tiles
+        of edge ``min(block_rows, block_cols)`` (whichever is given); the ``rows=`` path uses
+        ``block_rows × block_cols`` tiles.
+    rows : slice, optional
+        Answer only for the query rows ``range(n)[rows]`` (against all ``n`` rows); the result
+        then has ``len(range(n)[rows])`` rows, equal to those rows of the whole-scope call.
 
     Returns
     -------
@@ -102,97 +264,112 @@ def cross_group_knn(u, groups, kmax: int, *, block_rows: int | None = None, bloc
     Raises
     ------
     ValueError
-        ``u`` not 2-D, ``groups`` of the wrong length, ``kmax <= 0``.
+        ``u`` not 2-D, ``groups`` of the wrong length, ``kmax <= 0``, block sizes ``<= 0``,
+        ``rows`` not a slice of step 1.
     TypeError
         ``u`` not float32/float64.
     """
     u, groups = _check_inputs(u, groups, kmax)
     n = u.shape[0]
     k = int(kmax)
+    for b in (block_rows, block_cols):
+        if b is not None and int(b) <= 0:
+            raise ValueError("block sizes must be positive")
+    if rows is not None:
+        if not isinstance(rows, slice) or rows.step not in (None, 1):
+            raise ValueError(f"rows must be a slice with step 1, got {rows!r}")
+        q0, q1, _ = rows.indices(n)
+        return _query_rows(u, groups, k, max(q0, 0), max(q0, q1), block_rows, block_cols)
+    if n == 0:
+        return np.full((0, k), -1, dtype=np.int64), np.full((0, k), np.inf)
+    kk = min(k, n)  # never more than n entries can be kept
+    grp = _Groups(groups)
+    given = [int(b) for b in (block_rows, block_cols) if b is not None]
+    tile = min(given) if given else _tile_size(n, u.dtype, grp.largest)
+    starts = list(range(0, n, tile))
+    run = _Running(n, kk, u.dtype)
+    buf = np.empty(tile * tile, dtype=u.dtype)
+    hit = np.empty(tile * tile, dtype=bool)
+    hit_c = np.empty(tile * tile, dtype=bool)
+
+    for bi, a0 in enumerate(starts):
+        a1 = min(n, a0 + tile)
+        ua = u[a0:a1]
+        pair_rows, pair_cols = grp.pairs(np.arange(a0, a1))
+        for b0 in starts[bi:]:
+            b1 = min(n, b0 + tile)
+            ra, cb = a1 - a0, b1 - b0
+            sim = buf[: ra * cb].reshape(ra, cb)
+            np.matmul(ua, u[b0:b1].T, out=sim)  # one GEMM; distances only for candidates
+            lo, hi = np.searchsorted(pair_cols, [b0, b1])
+            if hi > lo:
+                sim[pair_rows[lo:hi], pair_cols[lo:hi] - b0] = -np.inf
+            diagonal = a0 == b0
+            low_r = run.bounds(a0, a1, lambda r: _row_maxima(sim, r, kk))
+            mask = hit[: ra * cb].reshape(ra, cb)
+            np.greater_equal(sim, low_r[:, None], out=mask)
+            if not diagonal:
+                low_c = run.bounds(b0, b1, lambda r: _col_maxima(sim, r, kk))
+                mask_c = hit_c[: ra * cb].reshape(ra, cb)
+                np.greater_equal(sim, low_c[None, :], out=mask_c)
+                np.logical_or(mask, mask_c, out=mask)
+            flat = np.flatnonzero(mask)
+            if flat.size == 0:
+                continue
+            cand = sim.ravel()[flat]
+            r, c = np.divmod(flat, cb)
+            # masked (-inf) entries pass only bounds of -inf: drop them here
+            on_row = cand >= low_r[r]
+            on_row &= cand > -np.inf
+            run.merge(a0, a1, r[on_row], cand[on_row], c[on_row] + b0, grouped=True)
+            if not diagonal:
+                on_col = cand >= low_c[c]
+                on_col &= cand > -np.inf
+                run.merge(b0, b1, c[on_col], cand[on_col], r[on_col] + a0, grouped=False)
     out_idx = np.full((n, k), -1, dtype=np.int64)
     out_dist = np.full((n, k), np.inf, dtype=np.float64)
-    if n == 0:
+    out_idx[:, :kk] = run.idx
+    out_dist[:, :kk] = run.dist
+    return out_idx, out_dist
+
+
+def _query_rows(u, groups, k, q0, q1, block_rows, block_cols):
+    """``cross_group_knn`` for the query rows ``q0:q1`` only: query-row × column tiles."""
+    n = u.shape[0]
+    m = q1 - q0
+    out_idx = np.full((m, k), -1, dtype=np.int64)
+    out_dist = np.full((m, k), np.inf, dtype=np.float64)
+    if m == 0 or n == 0:
         return out_idx, out_dist
+    kk = min(k, n)
+    grp = _Groups(groups)
     br, bc = default_block_sizes(n, u.dtype)
     br = int(block_rows or br)
     bc = int(block_cols or bc)
-    if br <= 0 or bc <= 0:
-        raise ValueError("block sizes must be positive")
-
-    # Group membership lists (CSR) to mask same-group pairs without an (rows × cols) comparison.
-    order = np.argsort(groups, kind="stable")
-    n_groups = int(groups.max()) + 1 if n else 0
-    starts = np.zeros(n_groups + 1, dtype=np.int64)
-    np.cumsum(np.bincount(groups, minlength=n_groups), out=starts[1:])
     if block_rows is None:  # bound the same-group pair lists (rows x largest group) per row block
-        br = min(br, max(64, (1 << 22) // int(np.diff(starts).max())))
-    kk = min(k, n)  # never more than n entries can be kept
-    # similarity slack covering the rounding of 1 - S (a few ulp near 1) and of the bound's cast
-    margin = 1e-6 if u.dtype == np.float32 else 4e-15
-
-    for r0 in range(0, n, br):
-        r1 = min(n, r0 + br)
-        rb = r1 - r0
+        br = min(br, max(64, _PAIR_ENTRIES // grp.largest))
+    run = _Running(m, kk, u.dtype)
+    for r0 in range(q0, q1, br):
+        r1 = min(q1, r0 + br)
         q = u[r0:r1]
-        pair_rows, pair_cols = _same_group_pairs(groups, r0, r1, order, starts)
-        best_d = np.full((rb, kk), np.inf, dtype=np.float64)
-        best_i = np.full((rb, kk), -1, dtype=np.int64)
-        thresh = np.full(rb, np.inf, dtype=np.float64)
+        pair_rows, pair_cols = grp.pairs(np.arange(r0, r1))
         for c0 in range(0, n, bc):
             c1 = min(n, c0 + bc)
-            sim = q @ u[c0:c1].T  # one GEMM; distances are derived only for candidates
+            sim = q @ u[c0:c1].T
             lo, hi = np.searchsorted(pair_cols, [c0, c1])
             if hi > lo:
                 sim[pair_rows[lo:hi], pair_cols[lo:hi] - c0] = -np.inf
-            width = c1 - c0
-            if width > kk and np.isinf(thresh).all():
-                # Nothing kept yet (first block): the kk-th largest similarity over a column
-                # sample bounds the row's kk-th nearest from above.
-                sample = min(width, max(16 * kk, 1024))
-                if sample > kk:
-                    s_k = np.partition(sim[:, :sample], sample - kk, axis=1)[:, sample - kk].astype(np.float64)
-                    # clip(1 - S, 0, 2) ties every S >= 1 at 0 and every S <= -1 at 2: keep them all
-                    low = np.minimum(s_k, 1.0) - margin
-                    low[s_k <= -1.0 + margin] = -np.inf
-                else:
-                    low = np.full(rb, -np.inf)
-            else:
-                # d < t  implies  S > 1 - t - ulp: a superset, refined exactly in the merge
-                low = (1.0 - thresh) - margin
-            flat = np.flatnonzero(sim >= low.astype(sim.dtype)[:, None])
+            low = run.bounds(r0 - q0, r1 - q0, lambda r: _row_maxima(sim, r, kk))
+            flat = np.flatnonzero(sim >= low[:, None])
             if flat.size == 0:
                 continue
-            cand_s = sim.ravel()[flat]
-            finite = cand_s > -np.inf  # rows without a bound also let masked entries through
-            if not finite.all():
-                flat, cand_s = flat[finite], cand_s[finite]
-            rows, cols = np.divmod(flat, width)
-            # exactly cosine_distance_block's arithmetic, on the candidates only
-            cand_d = np.clip(np.subtract(1, cand_s), 0, 2).astype(np.float64)
-            cand_i = cols + c0
-            # Merge with the running lists (old entries first: they have smaller indices), order
-            # each row by (distance, index) and keep its first kk.
-            keep_old = np.isfinite(best_d)
-            all_rows = np.concatenate([np.nonzero(keep_old)[0], rows])
-            all_d = np.concatenate([best_d[keep_old], cand_d])
-            all_i = np.concatenate([best_i[keep_old], cand_i])
-            if sim.dtype == np.float32:
-                # row * 4 + d is exact in float64 for float32 d in [0, 2]; the stable sort keeps
-                # index order among equal distances (old before new, each already index-ordered)
-                perm = np.argsort(all_rows * 4.0 + all_d, kind="stable")
-            else:
-                perm = np.lexsort((all_i, all_d, all_rows))
-            all_rows, all_d, all_i = all_rows[perm], all_d[perm], all_i[perm]
-            first = np.searchsorted(all_rows, np.arange(rb))
-            rank = np.arange(all_rows.size) - first[all_rows]
-            sel = rank < kk
-            best_d.fill(np.inf)
-            best_i.fill(-1)
-            best_d[all_rows[sel], rank[sel]] = all_d[sel]
-            best_i[all_rows[sel], rank[sel]] = all_i[sel]
-            thresh = best_d[:, kk - 1].copy()
-        out_idx[r0:r1, :kk] = best_i
-        out_dist[r0:r1, :kk] = best_d
+            cand = sim.ravel()[flat]
+            keep = cand > -np.inf
+            flat, cand = flat[keep], cand[keep]
+            r, c = np.divmod(flat, c1 - c0)
+            run.merge(r0 - q0, r1 - q0, r, cand, c + c0, grouped=True)
+    out_idx[:, :kk] = run.idx
+    out_dist[:, :kk] = run.dist
     return out_idx, out_dist
 
 

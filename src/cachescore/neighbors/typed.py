@@ -7,30 +7,57 @@ needs no growing window, and never scans SS/OO rows.
 
 Layout of the computation (no per-row Python loop, no N×N matrix):
 
-* rows are permuted once (by cell, then group) so that every cell is a contiguous slice and
-  same-group masks are only built for tiles whose group ranges overlap;
-* for each pair of cells in an SO or OS relation, row blocks of one cell × row blocks of the
-  other are multiplied as one GEMM (:func:`~cachescore.neighbors.normalize.cosine_distance_block`,
-  in the rows' dtype: float32 stays float32); same-group entries are set to ``+inf``; the tile is
-  reduced to the ``m`` smallest values per row *and* per column with ``np.partition`` (the
-  relations are symmetric, so each pair distance is computed once) and merged into running
-  ``(n, m)`` buffers;
-* the buffers are sorted once at the end.
+* rows are permuted once (by cell, label-major, then group) so that every cell is a contiguous
+  slice; the later SO partners of a cell (same label) are then one contiguous range, searched as
+  one wide GEMM;
+* selection runs on similarities ``s = u_i·u_j`` (distance ``clip(1 - s, 0, 2)`` is
+  non-increasing in ``s``, so the ``m`` largest similarities *are* the ``m`` smallest distances);
+  only the kept ``(n, m)`` values are converted, with the arithmetic of
+  :func:`~cachescore.neighbors.normalize.cosine_distance_block`;
+* SO and OS are symmetric relations, so each unordered cell pair is multiplied once and each tile
+  is reduced to its ``m`` largest per row *and* per column (``np.partition``; the column side
+  through a cache-friendly strip transpose) and merged into running ``(n, m)`` buffers;
+  same-group entries are set to ``-inf`` only in tiles where a group occurs on both sides;
+* the work is cut into independent query blocks (:func:`typed_layout`, :func:`typed_block`) whose
+  partials are merged by an order-independent reduction (:func:`typed_merge`), so
+  :mod:`cachescore.pipeline.blocked_search` runs the same blocks on Dask workers and returns the
+  same bits.
 
 Peak extra memory is one permuted copy of ``u``, two ``(n, m)`` buffers and ``O(block_rows²)``
 per tile.
 
 :func:`count_within` is the companion counting pass used to reproduce croma's search-schedule
-diagnostics (``k_final``, ``retries``) without growing a window.
+diagnostics (``k_final``, ``retries``) without growing a window. It compares similarities with a
+per-row :func:`similarity_floor`, which is exactly equivalent to comparing the distance
+``1 - s`` (in the compute dtype) with the radius, and is likewise cut into independent blocks
+(:func:`count_block`, :func:`count_merge`).
+
+Cost at N = 8,000, D = 384, float32, 2 labels × 4 confounders (``benchmarks/croma_speed.py``): the
+typed search is ~12 GFLOP of GEMM and the counting pass ~25 GFLOP; both run within ~10–30 % of
+one core's GEMM time.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
 from .normalize import cosine_distance_block
 
-__all__ = ["DEFAULT_BLOCK_ROWS", "typed_knn", "count_within", "similarity_floor"]
+__all__ = [
+    "DEFAULT_BLOCK_ROWS",
+    "TypedLayout",
+    "count_block",
+    "count_layout",
+    "count_merge",
+    "count_within",
+    "similarity_floor",
+    "typed_block",
+    "typed_knn",
+    "typed_layout",
+    "typed_merge",
+]
 
 #: Edge of the square distance tiles (query rows × target columns) when ``block_rows`` is None.
 #: 2048² float64 entries = 32 MiB per tile.
@@ -86,6 +113,113 @@ def _sim_to_dist(best: np.ndarray) -> np.ndarray:
     return np.sort(dist, axis=1).astype(np.float64)
 
 
+@dataclass(frozen=True)
+class TypedLayout:
+    """How a scope's typed search is cut into independent query blocks (small; cheap to ship).
+
+    Rows are permuted by ``order`` (cell, label-major, then group), so every (label, confounder)
+    cell is the slice ``starts[c]:starts[c+1]`` of the permuted rows. ``ranges[c]`` lists the later
+    partner ranges of cell ``c`` as ``(kind, t0, t1, shared)``: ``kind`` is ``"so"`` (all later cells
+    of the same label, one contiguous range) or ``"os"`` (one later cell of another label and the
+    same confounder); ``shared`` says whether a group occurs on both sides (only then is a
+    same-group mask built). ``blocks`` are the query blocks ``(cell, qs, qe)``; each block's tiles
+    are its rows × its partner ranges, in tiles of ``block_rows`` columns.
+    """
+
+    n: int
+    block_rows: int
+    order: np.ndarray
+    starts: np.ndarray
+    ranges: tuple
+    blocks: tuple
+
+
+def typed_layout(labels, confounders, groups, *, block_rows=None):
+    """``(layout, sorted_groups)`` for :func:`typed_block`; ``sorted_groups`` (n,) int64 are the
+    dense group codes in ``layout.order``. Raises ``ValueError`` for mismatched shapes or
+    ``block_rows < 1``."""
+    labels, confounders, groups = (np.asarray(a).ravel() for a in (labels, confounders, groups))
+    n = labels.shape[0]
+    if confounders.shape != (n,) or groups.shape != (n,):
+        raise ValueError(f"labels, confounders and groups must have one shape, got {n}, {confounders.shape}, {groups.shape}")
+    b = _block(block_rows)
+    if n == 0:
+        return TypedLayout(0, b, np.zeros(0, np.int64), np.zeros(1, np.int64), (), ()), np.zeros(0, np.int64)
+    lab = np.unique(labels, return_inverse=True)[1].ravel().astype(np.int64)
+    con = np.unique(confounders, return_inverse=True)[1].ravel().astype(np.int64)
+    grp = np.unique(groups, return_inverse=True)[1].ravel().astype(np.int64)
+    n_con = int(con.max()) + 1
+    cell_ids, cell_of = np.unique(lab * n_con + con, return_inverse=True)
+    cell_of = cell_of.ravel()
+    n_cells = len(cell_ids)
+    cell_lab, cell_con = cell_ids // n_con, cell_ids % n_con
+    order = np.lexsort((grp, cell_of))
+    starts = np.concatenate([[0], np.cumsum(np.bincount(cell_of, minlength=n_cells))]).astype(np.int64)
+    gs = grp[order]
+    cell_groups = [np.unique(gs[starts[c] : starts[c + 1]]) for c in range(n_cells)]
+
+    def shares(q, cells):
+        return any(np.intersect1d(cell_groups[q], cell_groups[t], assume_unique=True).size for t in cells)
+
+    ranges, blocks = [], []
+    for q in range(n_cells):
+        mine = []
+        later_so = np.flatnonzero((cell_lab == cell_lab[q]) & (np.arange(n_cells) > q))
+        if later_so.size:  # cells of one label are adjacent, so the later ones are contiguous
+            shared = shares(q, later_so)
+            mine.append(("so", int(starts[later_so[0]]), int(starts[later_so[-1] + 1]), shared))
+        for t in np.flatnonzero((cell_con == cell_con[q]) & (cell_lab > cell_lab[q])):
+            mine.append(("os", int(starts[t]), int(starts[t + 1]), shares(q, [t])))
+        ranges.append(tuple(mine))
+        if mine:
+            blocks.extend((q, qs, min(qs + b, int(starts[q + 1]))) for qs in range(int(starts[q]), int(starts[q + 1]), b))
+    return TypedLayout(n, b, order, starts, tuple(ranges), tuple(blocks)), gs
+
+
+def typed_block(us, gs, layout: TypedLayout, block, m):
+    """Partial typed search of one query block ``(cell, qs, qe)`` of ``layout.blocks``.
+
+    ``us`` (n, d) are the normalised rows in ``layout.order``, ``gs`` their group codes. Returns a
+    list of ``(kind, start, sims)``: ``sims`` (r, m) holds, for permuted rows ``start:start+r``,
+    the ``m`` largest similarities (unordered, ``-inf`` padded) seen in this block's tiles. The
+    final result is the per-row ``m`` largest over all blocks' partials (:func:`typed_merge`),
+    which does not depend on the order the partials are merged in.
+    """
+    q, qs, qe = block
+    b = layout.block_rows
+    neg = np.array(-np.inf, dtype=us.dtype)
+    rows = {}
+    out = []
+    for kind, t0, t1, shared in layout.ranges[q]:
+        rbuf = rows.setdefault(kind, np.full((qe - qs, m), neg, dtype=us.dtype))
+        cbuf = np.full((t1 - t0, m), neg, dtype=us.dtype)
+        for ts in range(t0, t1, b):
+            te = min(ts + b, t1)
+            sim = us[qs:qe] @ us[ts:te].T
+            if shared:
+                np.copyto(sim, neg, where=gs[qs:qe, None] == gs[None, ts:te])
+            _merge_largest(rbuf, sim, m)
+            _merge_largest(cbuf[ts - t0 : te - t0], _transpose(sim), m)
+        out.append((kind, t0, cbuf))
+    out.extend((kind, qs, rbuf) for kind, rbuf in rows.items())
+    return out
+
+
+def typed_merge(layout: TypedLayout, partials, m, dtype):
+    """Merge :func:`typed_block` partials (an iterable of their lists) into ``typed_knn``'s
+    ``(so_dist, os_dist)``, float64 (n, m), ascending, ``+inf`` padded, in the caller's row order."""
+    n = layout.n
+    best = {k: np.full((n, m), -np.inf, dtype=dtype) for k in ("so", "os")}
+    for part in partials:
+        for kind, start, sims in part:
+            _merge_largest(best[kind][start : start + sims.shape[0]], sims, m)
+    so_out = np.empty((n, m), dtype=np.float64)
+    os_out = np.empty((n, m), dtype=np.float64)
+    so_out[layout.order] = _sim_to_dist(best["so"])
+    os_out[layout.order] = _sim_to_dist(best["os"])
+    return so_out, os_out
+
+
 def typed_knn(u, labels, confounders, groups, m, *, block_rows=None):
     """Exact SO/OS neighbour distances of every row, searched per (label, confounder) cell.
 
@@ -100,8 +234,8 @@ def typed_knn(u, labels, confounders, groups, m, *, block_rows=None):
     m : int
         Number of nearest distances kept per type (``>= 1``).
     block_rows : int, optional
-        Edge of the square distance tiles (default :data:`DEFAULT_BLOCK_ROWS`). Results do not
-        depend on it (up to the last-ulp effect of BLAS kernels chosen by tile shape).
+        Edge of the distance tiles (default :data:`DEFAULT_BLOCK_ROWS`). Results do not depend on
+        it (up to the last-ulp effect of the BLAS kernel chosen for a tile shape).
 
     Returns
     -------
@@ -121,62 +255,20 @@ def typed_knn(u, labels, confounders, groups, m, *, block_rows=None):
     Selection runs on similarities ``s = u_i·u_j``: distance is a non-increasing function of ``s``,
     so the multiset of the ``m`` largest similarities maps exactly onto the ``m`` smallest
     distances, and only the kept ``(n, m)`` values are converted. Same-group entries are set to
-    ``-inf``. Cells are sorted by (label, confounder), so the later SO partners of a cell form one
-    contiguous row range and are searched as one wide GEMM.
+    ``-inf``. The work is cut into the independent query blocks of :func:`typed_layout`
+    (``typed_block``), merged by :func:`typed_merge`; a distributed run executes the same blocks
+    (:mod:`cachescore.pipeline.blocked_search`) and gets bit-identical results.
     """
     u, (labels, confounders, groups) = _check_inputs(u, labels, confounders, groups)
     m = int(m)
     if m < 1:
         raise ValueError(f"m must be >= 1, got {m}")
-    b = _block(block_rows)
+    layout, gs = typed_layout(labels, confounders, groups, block_rows=block_rows)
     n = u.shape[0]
     if n < 2:
         return np.full((n, m), np.inf), np.full((n, m), np.inf)
-
-    lab = np.unique(labels, return_inverse=True)[1].ravel().astype(np.int64)
-    con = np.unique(confounders, return_inverse=True)[1].ravel().astype(np.int64)
-    grp = np.unique(groups, return_inverse=True)[1].ravel().astype(np.int64)
-    n_con = int(con.max()) + 1
-    cell_ids, cell_of = np.unique(lab * n_con + con, return_inverse=True)
-    cell_of = cell_of.ravel()
-    cell_lab, cell_con = cell_ids // n_con, cell_ids % n_con
-    order = np.lexsort((grp, cell_of))  # by cell (label-major), then group: cells are slices
-    starts = np.concatenate([[0], np.cumsum(np.bincount(cell_of, minlength=len(cell_ids)))])
-    us = np.ascontiguousarray(u[order])
-    gs = grp[order]
-    # which groups occur in each cell (boolean incidence), to know when a mask can be needed
-    incidence = np.zeros((len(cell_ids), int(gs.max()) + 1), dtype=bool)
-    incidence[cell_of[order], gs] = True
-    neg = np.array(-np.inf, dtype=us.dtype)
-    best = {"so": np.full((n, m), neg, dtype=us.dtype), "os": np.full((n, m), neg, dtype=us.dtype)}
-
-    # Each unordered (query cell, later partner cells) pair is multiplied once; every tile is
-    # reduced along its rows (for the query rows) and its columns (for the partner rows), since
-    # SO and OS are symmetric relations.
-    for q in range(len(cell_ids)):
-        same_lab_later = np.flatnonzero((cell_lab == cell_lab[q]) & (np.arange(len(cell_ids)) > q))
-        ranges = []
-        if same_lab_later.size:  # contiguous: cells of one label are adjacent
-            ranges.append(("so", starts[same_lab_later[0]], starts[same_lab_later[-1] + 1], same_lab_later))
-        for t in np.flatnonzero((cell_con == cell_con[q]) & (cell_lab > cell_lab[q])):
-            ranges.append(("os", starts[t], starts[t + 1], np.array([t])))
-        for kind, t0, t1, cells in ranges:
-            buf = best[kind]
-            shared = bool((incidence[q] & incidence[cells].any(axis=0)).any())
-            for qs in range(starts[q], starts[q + 1], b):
-                qe = min(qs + b, starts[q + 1])
-                for ts in range(t0, t1, b):
-                    te = min(ts + b, t1)
-                    sim = us[qs:qe] @ us[ts:te].T
-                    if shared:
-                        np.copyto(sim, neg, where=gs[qs:qe, None] == gs[None, ts:te])
-                    _merge_largest(buf[qs:qe], sim, m)
-                    _merge_largest(buf[ts:te], _transpose(sim), m)
-    so_out = np.empty((n, m), dtype=np.float64)
-    os_out = np.empty((n, m), dtype=np.float64)
-    so_out[order] = _sim_to_dist(best["so"])
-    os_out[order] = _sim_to_dist(best["os"])
-    return so_out, os_out
+    us = np.ascontiguousarray(u[layout.order])
+    return typed_merge(layout, (typed_block(us, gs, layout, blk, m) for blk in layout.blocks), m, us.dtype)
 
 
 def _to_key(x: np.ndarray) -> np.ndarray:
@@ -223,18 +315,67 @@ def similarity_floor(radius: np.ndarray, dtype) -> np.ndarray:
     return out
 
 
+def count_layout(groups, radius, dtype):
+    """``(order, sorted_groups, floor)`` for :func:`count_block`: rows sorted by group (stable),
+    their group codes, and their :func:`similarity_floor` (in ``dtype``) in that order."""
+    groups = np.asarray(groups)
+    order = np.argsort(groups, kind="stable")
+    return order, groups[order], similarity_floor(np.asarray(radius, dtype=np.float64)[order], dtype)
+
+
+def count_block(us, gs, floor, qs, block_rows):
+    """Counts contributed by query block ``qs:qs+block_rows`` of the upper triangle of tiles.
+
+    ``us``, ``gs``, ``floor`` are in :func:`count_layout` order. Returns ``(qs, row_counts,
+    col_counts)``: int64 counts for rows ``qs:qe`` (tiles ``qs..n``) and for rows ``qs:n`` (as
+    columns of the tiles right of the diagonal tile). Summing every block's contributions gives
+    :func:`count_within`, whatever the order.
+    """
+    n = us.shape[0]
+    b = int(block_rows)
+    qe = min(qs + b, n)
+    acc = np.uint16 if b < (1 << 16) else np.int64
+    rows = np.zeros(qe - qs, dtype=np.int64)
+    cols = np.zeros(n - qs, dtype=np.int64)
+    for ts in range(qs, n, b):
+        te = min(ts + b, n)
+        sim = us[qs:qe] @ us[ts:te].T
+        if gs[qe - 1] >= gs[ts]:  # group codes are sorted: ranges overlap only here
+            # NaN compares False even against a -inf floor (radius >= 2 counts all others)
+            np.copyto(sim, np.nan, where=gs[qs:qe, None] == gs[None, ts:te])
+        hit = sim >= floor[qs:qe, None]
+        rows += hit.view(np.uint8).sum(axis=1, dtype=acc)
+        if ts != qs:
+            hit = np.greater_equal(sim, floor[None, ts:te], out=hit)
+            cols[ts - qs : te - qs] += hit.view(np.uint8).sum(axis=0, dtype=acc)
+    return qs, rows, cols
+
+
+def count_merge(n, order, parts):
+    """Sum :func:`count_block` results into per-row counts (int64 (n,), caller's row order)."""
+    counts = np.zeros(n, dtype=np.int64)
+    for qs, rows, cols in parts:
+        counts[qs : qs + rows.size] += rows
+        counts[qs:] += cols
+    out = np.empty(n, dtype=np.int64)
+    out[order] = counts
+    return out
+
+
 def count_within(u, groups, radius, *, block_rows=None) -> np.ndarray:
     """Per row ``i``, the number of rows of other groups at cosine distance ``<= radius[i]``.
 
     ``u`` (n, d) normalised rows, ``groups`` (n,) codes, ``radius`` (n,) thresholds (``+inf`` counts
     every cross-group row). Returns int64 (n,). Distances are ``1 - u_i·u_j`` in ``u``'s dtype with
     thresholds cast to it; thresholds at or above 2 count every cross-group row (the clip to [0, 2]
-    is thereby implied).
+    is thereby implied). Raises ``ValueError`` for mismatched shapes or ``block_rows < 1``.
 
     One blocked pass over the upper triangle of tiles: each similarity tile serves both its rows
     and its columns, so the GEMM work is about ``n²·d/2``. The comparison runs on similarities
     against :func:`similarity_floor` (exactly equivalent, no subtraction pass). Rows are ordered by
-    group, so the same-group mask is only built for tiles whose group ranges overlap.
+    group, so the same-group mask is only built for tiles whose group ranges overlap. The pass is
+    cut into independent query blocks (:func:`count_block`), which a distributed run executes
+    unchanged.
     """
     u, (groups, _, _) = _check_inputs(u, groups, groups, groups)
     radius = np.asarray(radius, dtype=np.float64)
@@ -242,26 +383,6 @@ def count_within(u, groups, radius, *, block_rows=None) -> np.ndarray:
     if radius.shape != (n,):
         raise ValueError(f"radius must have shape ({n},), got {radius.shape}")
     b = _block(block_rows)
-    order = np.argsort(groups, kind="stable")
+    order, gs, floor = count_layout(groups, radius, u.dtype)
     us = np.ascontiguousarray(u[order])
-    gs = np.asarray(groups)[order]
-    floor = similarity_floor(radius[order], us.dtype)
-    acc = np.uint16 if b < (1 << 16) else np.int64
-    counts = np.zeros(n, dtype=np.int64)
-    for qs in range(0, n, b):
-        qe = min(qs + b, n)
-        for ts in range(qs, n, b):
-            te = min(ts + b, n)
-            sim = us[qs:qe] @ us[ts:te].T
-            overlap = gs[qe - 1] >= gs[ts]  # group codes are sorted: ranges overlap only here
-            if overlap:
-                # NaN compares False even against a -inf floor (radius >= 2 counts all others)
-                np.copyto(sim, np.nan, where=gs[qs:qe, None] == gs[None, ts:te])
-            hit = sim >= floor[qs:qe, None]
-            counts[qs:qe] += hit.view(np.uint8).sum(axis=1, dtype=acc)
-            if ts != qs:
-                hit = np.greater_equal(sim, floor[None, ts:te], out=hit)
-                counts[ts:te] += hit.view(np.uint8).sum(axis=0, dtype=acc)
-    out = np.empty(n, dtype=np.int64)
-    out[order] = counts
-    return out
+    return count_merge(n, order, (count_block(us, gs, floor, qs, b) for qs in range(0, n, b)))

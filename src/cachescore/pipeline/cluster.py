@@ -86,8 +86,13 @@ def open_client(scheduler: str | None = None, *, n_workers: int = 2, memory_limi
         finally:
             client.close()
         return
+    # The scheduler's HTTP server (health/metrics) starts even without the dashboard, on :8787 by
+    # default: always bind it to a free port on 127.0.0.1 (a busy 8787 would make distributed
+    # retry and leak a socket), and turn the dashboard pages off when not wanted.
     kwargs = dict(n_workers=n_workers, threads_per_worker=1, processes=processes, host="127.0.0.1",
-                  dashboard_address="127.0.0.1:0" if dashboard else None, memory_limit=memory_limit)
+                  dashboard_address="127.0.0.1:0", memory_limit=memory_limit)
+    if not dashboard:
+        kwargs["scheduler_kwargs"] = {"dashboard": False}
     if processes:
         kwargs["env"] = dict(THREAD_ENV)
     else:  # in-process workers talk over inproc://, no network address

@@ -11,7 +11,7 @@ Its fingerprint is the sha256 of canonical JSON over
   only invalidates units whose backend actually changes);
 * the code version: ``cachescore.__version__`` plus a digest of the scoring sources
   (``metrics/``, ``neighbors/``, ``pipeline/unit.py``), so edited scoring code never reuses
-  stale numbers.
+  stale numbers (``CACHESCORE_CODE_VERSION`` pins it, see :func:`code_version`).
 
 A unit whose fingerprint the store already holds is *done* and is not executed. A unit that cannot
 even be planned (missing embeddings for the view's tileset, an unreadable view) is *invalid*: it
@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,9 +37,24 @@ __all__ = ["WorkUnit", "InvalidUnit", "Plan", "plan_job", "code_version", "resol
 _SCORING_SOURCES = ("metrics", "neighbors", "pipeline/unit.py")
 
 
-@functools.lru_cache(maxsize=1)
+#: Environment variable that pins the code version (see :func:`code_version`).
+CODE_VERSION_ENV = "CACHESCORE_CODE_VERSION"
+
+
 def code_version() -> str:
-    """``"<cachescore version>+<12 hex of the scoring sources' sha256>"`` (computed once per process)."""
+    """The code version that enters every fingerprint.
+
+    ``"<cachescore version>+<12 hex of the sha256 of the scoring sources>"``, so that editing the
+    scoring code invalidates stored results. Setting ``CACHESCORE_CODE_VERSION`` pins it instead
+    (a deployment that vouches for equal numbers across a patch, or tests that must not see other
+    people's concurrent edits); results are then reused across code changes.
+    """
+    pinned = os.environ.get(CODE_VERSION_ENV, "").strip()
+    return pinned if pinned else _source_code_version()
+
+
+@functools.lru_cache(maxsize=1)
+def _source_code_version() -> str:
     from .. import __version__
 
     pkg = Path(__file__).resolve().parent.parent
