@@ -12,9 +12,19 @@ slide), slides of 20 tiles (``group_id``), label and confounder offsets plus noi
 for croma (skipped above ``--skip-croma-above``) and cachescore, prints the time per metric, the
 speed-up, and the largest absolute difference of value / per-unit values / tau against croma.
 
-It also measures this machine's float32 GEMM throughput (``--gemm`` n x n x D products, GFLOP/s)
-and the exact neighbour search's effective throughput, ``2 n^2 D / time``, for one
-``cross_group_knn`` call at each N, so the search can be compared with the GEMM ceiling.
+It also measures this machine's float32 GEMM throughput (``--gemm`` n x n x D products into a
+preallocated output, best of 3, GFLOP/s) and, for one whole-scope ``cross_group_knn`` call at each
+N (best of 2), two effective throughputs:
+
+- *performed*: the flops of the GEMMs the search really runs (the symmetric search computes each
+  tile pair I <= J once, ``cachescore.neighbors.exact.search_flops``), divided by its wall time;
+  its ratio to the GEMM figure is the share of the machine's GEMM throughput the search reaches
+  (the rest of its time is selection and merging);
+- *n^2 D equivalent*: ``2 n^2 D / time``, the flops a query-by-query search over all pairs would
+  need (what a search without the symmetry must spend).
+
+Every line carries the 1-minute load average (``/proc/loadavg``): on a shared machine, compare
+figures taken at similar load only.
 
     python benchmarks/metrics_vs_croma.py --sizes 2000            # quick check (~1-2 min)
     python benchmarks/metrics_vs_croma.py --sizes 2000 4000 8000  # the full table (quiet machine)
@@ -58,21 +68,32 @@ def synthetic_view(n: int, dim: int = 384, tiles_per_slide: int = 20, seed: int 
     return x.astype(np.float32), df
 
 
+def load_average() -> str:
+    try:
+        with open("/proc/loadavg") as fh:
+            return fh.read().split()[0]
+    except OSError:  # not Linux
+        return "n/a"
+
+
 def gemm_gflops(n: int, dim: int, repeats: int = 3) -> float:
+    """Best-of-``repeats`` float32 ``(n, dim) @ (dim, n)`` into a preallocated output, GFLOP/s."""
     rng = np.random.default_rng(1)
     a = rng.standard_normal((n, dim)).astype(np.float32)
     b = rng.standard_normal((n, dim)).astype(np.float32)
-    a @ b.T  # warm-up
+    out = np.empty((n, n), dtype=np.float32)
+    np.matmul(a, b.T, out=out)  # warm-up
     best = np.inf
     for _ in range(repeats):
         t = time.perf_counter()
-        a @ b.T
+        np.matmul(a, b.T, out=out)
         best = min(best, time.perf_counter() - t)
     return 2.0 * n * n * dim / best / 1e9
 
 
-def search_gflops(x: np.ndarray, groups: np.ndarray, kmax: int) -> tuple[float, float]:
-    from cachescore.neighbors.exact import cross_group_knn
+def search_gflops(x: np.ndarray, groups: np.ndarray, kmax: int) -> tuple[float, float, float, float]:
+    """``(seconds, performed GFLOP, performed GFLOP/s, 2 n^2 D GFLOP/s)`` of one exact search."""
+    from cachescore.neighbors.exact import cross_group_knn, search_flops
     from cachescore.neighbors.normalize import normalize_rows
 
     u = normalize_rows(x)
@@ -82,7 +103,8 @@ def search_gflops(x: np.ndarray, groups: np.ndarray, kmax: int) -> tuple[float, 
         cross_group_knn(u, groups, kmax)
         el = min(el, time.perf_counter() - t)
     n, d = u.shape
-    return el, 2.0 * n * n * d / el / 1e9
+    flops = search_flops(n, d, u.dtype)
+    return el, flops / 1e9, flops / el / 1e9, 2.0 * n * n * d / el / 1e9
 
 
 def timed(fn, *args, **kwargs):
@@ -133,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# cachescore.metrics.croma not importable ({exc!r}); CRoMa rows skipped")
 
     print(f"# python {platform.python_version()}, numpy {np.__version__}, croma {croma.__version__}, {platform.machine()}")
-    print(f"# float32 GEMM {args.gemm}x{args.gemm}x{args.dim}: {gemm_gflops(args.gemm, args.dim):.1f} GFLOP/s")
+    gemm = gemm_gflops(args.gemm, args.dim)
+    print(f"# float32 GEMM {args.gemm}x{args.gemm}x{args.dim}: {gemm:.1f} GFLOP/s (load {load_average()})")
     # warm-up (imports, allocator, BLAS threads) so the first timed call is not penalised
     xw, dfw = synthetic_view(200, args.dim, seed=1)
     for fn in (croma.RI.compute, RI.compute, croma.MaRI.compute, MaRI.compute):
@@ -141,13 +164,17 @@ def main(argv: list[str] | None = None) -> int:
     if CRoMa is not None:
         timed(CRoMa.compute, xw, dfw, confounder_column=CONF, m=args.m)
         timed(croma.CRoMa.compute, xw, dfw, confounder_column=CONF, m=args.m)
-    print(f"{'N':>6} {'metric':<6} {'croma s':>9} {'ours s':>8} {'speed-up':>9}  agreement")
+    print(f"{'N':>6} {'metric':<6} {'croma s':>9} {'ours s':>8} {'speed-up':>9} {'load':>5}  agreement")
     sys.stdout.flush()
     for n in args.sizes:
         x, df = synthetic_view(n, args.dim)
         groups = pd.factorize(df["group_id"])[0]
-        el, gf = search_gflops(x, groups, max(K_CANDIDATES))
-        print(f"# N={n}: exact cross_group_knn (kmax={max(K_CANDIDATES)}) {el:.2f} s = {gf:.1f} GFLOP/s effective")
+        el, done, gf, gf_full = search_gflops(x, groups, max(K_CANDIDATES))
+        print(
+            f"# N={n}: exact cross_group_knn (kmax={max(K_CANDIDATES)}) {el:.3f} s; performed {done:.2f} GFLOP "
+            f"-> {gf:.1f} GFLOP/s = {gf / gemm:.0%} of GEMM; 2n^2D equivalent {2.0 * n * n * args.dim / 1e9:.2f} "
+            f"GFLOP -> {gf_full:.1f} GFLOP/s = {gf_full / gemm:.0%} of GEMM (load {load_average()})"
+        )
         run_croma = n <= args.skip_croma_above
         jobs = [
             ("RI", croma.RI.compute, RI.compute, dict(k_candidates=K_CANDIDATES)),
@@ -159,9 +186,9 @@ def main(argv: list[str] | None = None) -> int:
             ours, t_ours = timed(our_fn, x, df, confounder_column=CONF, **kw)
             if run_croma:
                 ref, t_ref = timed(ref_fn, x, df, confounder_column=CONF, **kw)
-                print(f"{n:>6} {name:<6} {t_ref:>9.2f} {t_ours:>8.2f} {t_ref / t_ours:>8.1f}x  {compare(ours, ref)}")
+                print(f"{n:>6} {name:<6} {t_ref:>9.2f} {t_ours:>8.2f} {t_ref / t_ours:>8.1f}x {load_average():>5}  {compare(ours, ref)}")
             else:
-                print(f"{n:>6} {name:<6} {'-':>9} {t_ours:>8.2f} {'-':>9}  (croma skipped)")
+                print(f"{n:>6} {name:<6} {'-':>9} {t_ours:>8.2f} {'-':>9} {load_average():>5}  (croma skipped)")
             sys.stdout.flush()
     return 0
 

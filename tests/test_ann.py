@@ -412,3 +412,15 @@ def test_recall_target_error_when_widening_is_forbidden(warm, data_f32):
             u, groups, 100, recall_target=1.0, random_state=0, n_neighbors=4, epsilon=0.0,
             max_rounds=0, n_recall_queries=300,
         )
+
+
+def test_project_rows_is_a_normalised_float32_proxy():
+    u, _, _, _ = clustered(3000, 48, seed=14, dtype=np.float64)
+    u = u.copy()
+    u[7] = 0.0
+    z = ann.project_rows(u, 16, random_state=0, sample=1000, block=700)
+    assert z.shape == (3000, 16) and z.dtype == np.float32
+    norms = np.linalg.norm(z, axis=1)
+    assert norms[7] == 0.0
+    np.testing.assert_allclose(np.delete(norms, 7), 1.0, atol=1e-6)
+    np.testing.assert_array_equal(z, ann.project_rows(u, 16, random_state=0, sample=1000))

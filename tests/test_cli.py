@@ -111,6 +111,11 @@ def test_status_failures_and_stale(tmp_path, capsys):
     assert out.strip().endswith("2 done, 2 failed")
     assert all("enc1" in line for line in out.splitlines() if " failed " in line and "ShardError" in line)
 
+    assert main(["report", str(job_path), "--out", str(tmp_path / "r.html")]) == 0
+    assert "report: " in capsys.readouterr().out
+    html_text = (tmp_path / "r.html").read_text(encoding="utf-8")
+    assert "enc0" in html_text and "ShardError" in html_text
+
     # new embeddings for enc0: its results are stale (kept, never reused)
     x = Cache(cache_root).load_rows("enc0", "demo")
     write_embeddings(cache_root, "enc0", "demo", (x[::-1] * 2).copy(), overwrite=True)

@@ -148,6 +148,8 @@ def test_cluster_run_matches_api_and_resumes(tmp_path, cache_root, dask_subproce
             proc.kill()
             proc.wait(timeout=30)
     done_at_kill = len(ResultsStore(kjob.store).fingerprints())
+    (killed_run,) = ResultsStore(kjob.store).runs()  # its provenance says it never finished
+    assert ResultsStore(kjob.store).read_provenance(killed_run)["state"] == "running"
     assert 1 <= done_at_kill < 40
     time.sleep(1.0)  # tasks already running on the workers may still finish and write (atomically)
 

@@ -698,3 +698,39 @@ def test_similarity_floor_is_bit_equivalent_to_the_distance_comparison(dtype):
     by_distance = (dtype(1) - sims[None, :]) <= r[:, None]
     np.testing.assert_array_equal(sims[None, :] >= floor[:, None], by_distance)
     assert floor.dtype == dtype and np.isneginf(floor[[1, 3]]).all() and floor[0] == 1.0
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_fused_typed_search_and_count_equal_the_separate_passes(seed):
+    """``typed_knn_and_counts`` (typed tiles kept and re-used for the count, or not when over the
+    memory budget) gives ``typed_knn``'s distances bit for bit and ``count_within``'s counts, with
+    groups spanning cells, any block size, radii of 0 / >= 2 / inf. Counts could differ only for a
+    distance within an ulp of its radius (other GEMM shapes); the random radii here avoid that."""
+    from cachescore.neighbors.typed import typed_knn_and_counts
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(2, 260))
+    labels, confs = rng.integers(0, int(rng.integers(1, 4)), n), rng.integers(0, int(rng.integers(1, 4)), n)
+    groups = rng.integers(0, max(1, n // int(rng.integers(1, 6))), n)
+    radius = rng.uniform(0, 2.5, n)
+    radius[:2] = [np.inf, 0.0]
+    for dtype in (np.float32, np.float64):
+        u = normalize_rows(rng.standard_normal((n, 6)).astype(dtype))
+        want_count = count_within(u, groups, radius)
+        for block in (None, 7):
+            want = typed_knn(u, labels, confs, groups, 3, block_rows=block)
+            for tile_bytes in (None, 0):
+                seen = []
+
+                def radius_for(so, os_):
+                    seen.append((so, os_))
+                    return radius
+
+                so, os_, counts = typed_knn_and_counts(
+                    u, labels, confs, groups, 3, radius_for, block_rows=block, tile_bytes=tile_bytes
+                )
+                np.testing.assert_array_equal(so, want[0])
+                np.testing.assert_array_equal(os_, want[1])
+                np.testing.assert_array_equal(seen[0][0], want[0])
+                np.testing.assert_array_equal(counts, want_count)
+        assert typed_knn_and_counts(u, labels, confs, groups, 2, lambda so, os_: None)[2] is None

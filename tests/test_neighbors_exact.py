@@ -157,3 +157,106 @@ def test_large_scope_with_sampled_first_block_bound(global_seed, kind):
             np.testing.assert_array_equal(dist, want_dist)
         else:
             np.testing.assert_allclose(dist, want_dist, rtol=0, atol=1e-15)
+
+
+# --- symmetric tiling (one GEMM per tile pair I <= J, reduced along both axes) -------------------
+
+
+def _grouping(rng, n, kind):
+    if kind == "contiguous":  # large contiguous groups: whole chunks of a tile are masked
+        return np.repeat(np.arange(n), int(rng.integers(10, 60)))[:n]
+    return rng.integers(0, max(1, n // int(rng.integers(2, 9))), n)
+
+
+@pytest.mark.parametrize("kind", ["random", "contiguous"])
+@pytest.mark.parametrize("trial", range(4))
+def test_many_tiles_match_brute_force(global_seed, trial, kind):
+    """Tiles below, around and above kmax; exact ties (dyadic) and float32 Gaussian rows."""
+    rng = np.random.default_rng([global_seed, trial, 21])
+    n = int(rng.integers(150, 420))
+    groups = _grouping(rng, n, kind)
+    kmax = int(rng.integers(1, 45))
+    dy = dyadic_rows(rng, n, d=4)
+    ga = normalize_rows(rng.standard_normal((n, 24)).astype(np.float32))
+    for u, exact in ((dy, True), (dy.astype(np.float32), True), (ga, False)):
+        want_idx, want_dist = brute_force(u, groups, kmax)
+        for tile in (5, kmax, 37, 128, n):
+            idx, dist = cross_group_knn(u, groups, kmax, block_rows=tile)
+            np.testing.assert_array_equal(idx, want_idx, err_msg=f"tile {tile}")
+            if exact:
+                np.testing.assert_array_equal(dist, want_dist, err_msg=f"tile {tile}")
+            else:
+                np.testing.assert_allclose(dist, want_dist, rtol=0, atol=4e-7)
+
+
+def test_distances_are_bitwise_symmetric(global_seed):
+    """d(i, j) and d(j, i) come from one GEMM entry, so they are equal to the last bit."""
+    rng = np.random.default_rng([global_seed, 22])
+    n = 700
+    u = normalize_rows(rng.standard_normal((n, 48)).astype(np.float32))
+    groups = np.repeat(np.arange(n // 5), 5)
+    idx, dist = cross_group_knn(u, groups, 60, block_rows=128)
+    rows = np.repeat(np.arange(n), 60)
+    pairs = {(int(a), int(b)): float(d) for a, b, d in zip(rows, idx.ravel(), dist.ravel()) if b >= 0}
+    both = [(a, b) for (a, b) in pairs if (b, a) in pairs]
+    assert len(both) > 1000
+    assert all(pairs[(a, b)] == pairs[(b, a)] for a, b in both)
+
+
+@pytest.mark.parametrize("slack", [-(10**9), 10**9])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_both_merge_paths_keep_the_tie_order(global_seed, monkeypatch, slack, dtype):
+    """The padded-matrix merge and the flat (row, distance, index) sort give the same lists."""
+    from cachescore.neighbors import exact
+
+    monkeypatch.setattr(exact, "_FLAT_SLACK", slack)
+    rng = np.random.default_rng([global_seed, 23])
+    n = 260
+    u = dyadic_rows(rng, n, d=3).astype(dtype)  # heavy exact ties
+    groups = rng.integers(0, 40, n)
+    for kmax in (1, 7, 50):
+        want_idx, want_dist = brute_force(u, groups, kmax)
+        for tile in (9, 64, None):
+            idx, dist = cross_group_knn(u, groups, kmax, block_rows=tile)
+            np.testing.assert_array_equal(idx, want_idx)
+            np.testing.assert_array_equal(dist, want_dist)
+
+
+# --- rows= (one query-row range, for distributing a scope over workers) ------------------------
+
+
+@pytest.mark.parametrize("kind", ["dyadic", "gaussian32"])
+def test_row_ranges_equal_the_whole_scope(global_seed, kind):
+    rng = np.random.default_rng([global_seed, 24])
+    n = 500
+    if kind == "dyadic":
+        u = dyadic_rows(rng, n, d=4)
+    else:
+        u = normalize_rows(rng.standard_normal((n, 32)).astype(np.float32))
+    groups = rng.integers(0, 90, n)
+    want_idx, want_dist = cross_group_knn(u, groups, 17)
+    for step in (1, 70, 333, n):
+        parts = [cross_group_knn(u, groups, 17, rows=slice(r, r + step)) for r in range(0, n, step)]
+        idx = np.concatenate([p[0] for p in parts])
+        dist = np.concatenate([p[1] for p in parts])
+        np.testing.assert_array_equal(idx, want_idx)
+        if kind == "dyadic":
+            np.testing.assert_array_equal(dist, want_dist)
+        else:  # a query-row GEMM and a tile GEMM may differ in the last bit on some BLAS (§12.3)
+            np.testing.assert_allclose(dist, want_dist, rtol=0, atol=4e-7)
+
+
+def test_row_range_shapes_and_validation():
+    u = normalize_rows(np.random.default_rng(0).standard_normal((10, 4)))
+    g = np.arange(10) // 2
+    idx, dist = cross_group_knn(u, g, 3, rows=slice(4, 7))
+    assert idx.shape == (3, 3) and dist.shape == (3, 3)
+    np.testing.assert_array_equal(idx, cross_group_knn(u, g, 3)[0][4:7])
+    assert cross_group_knn(u, g, 3, rows=slice(8, 100))[0].shape == (2, 3)
+    assert cross_group_knn(u, g, 3, rows=slice(5, 5))[0].shape == (0, 3)
+    with pytest.raises(ValueError, match="rows must be a slice with step 1"):
+        cross_group_knn(u, g, 3, rows=slice(0, 10, 2))
+    with pytest.raises(ValueError, match="rows must be a slice"):
+        cross_group_knn(u, g, 3, rows=[1, 2])
+    with pytest.raises(ValueError, match="block sizes"):
+        cross_group_knn(u, g, 3, block_rows=0)

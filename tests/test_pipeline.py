@@ -160,6 +160,7 @@ def test_second_run_executes_nothing(tmp_path, demo_cache):
     pd.testing.assert_frame_equal(store.scores().drop(columns=["finished_at"]), scores.drop(columns=["finished_at"]))
 
     prov = store.read_provenance(first.run_id)
+    assert prov["state"] == "finished" and prov["finished_at"]
     assert prov["units"] == {"planned": 24, "executed": 24, "skipped": 0, "succeeded": 24, "failed": 0}
     assert prov["job"]["job"]["cache"] == str(demo_cache)
     assert set(prov["input_fingerprints"]) == set(plan_job(job).inputs)
@@ -380,3 +381,83 @@ def test_ann_backend_wiring_records_recall(tmp_path, demo_cache):
 def test_ann_backend_wiring_croma(tmp_path, demo_cache):
     pytest.importorskip("cachescore.neighbors.ann")
     _ann_vs_exact(tmp_path, demo_cache, ["croma"])
+
+
+RPS = 3  # probe test cache: tiles per slide
+
+
+def _probe_cache(root: Path) -> Path:
+    """Two in-domain centres (A, B) x two labels x 8 slides of RPS tiles, plus an OOD centre C."""
+    from cachescore.cache import write_tileset
+
+    rows = []
+    for cen, n_slides, subset in (("A", 8, "ID"), ("B", 8, "ID"), ("C", 2, "OOD")):
+        for lab in ("tumor", "normal"):
+            for s in range(n_slides):
+                for t in range(RPS):
+                    rows.append((f"{cen}-{lab}-s{s}-t{t}", cen, lab, f"{cen}-{lab}-s{s}", subset))
+    tiles = pd.DataFrame(rows, columns=["sample_id", "centre", "label", "group_id", "subset"])
+    tiles["image_path"] = "img/" + tiles["sample_id"] + ".png"
+    write_tileset(root, "ts", tiles)
+    rng = np.random.default_rng(0)
+    for enc, shift in (("encA", 0.5), ("encB", 2.0)):
+        x = rng.standard_normal((len(tiles), 8))
+        x[:, 0] += 1.5 * (tiles["label"] == "tumor").to_numpy()
+        x[:, 1] += shift * (tiles["centre"] == "A").to_numpy()
+        write_embeddings(root, enc, "ts", x.astype(np.float32))
+    view = tiles.sample(frac=1.0, random_state=3)[["sample_id", "label", "group_id", "centre", "subset"]]
+    write_view(root, "v", view, tileset="ts", confounder_column="centre")
+    # a view the probe cannot use: one slide has a tile too few
+    write_view(root, "short", view[view["sample_id"] != "A-tumor-s0-t0"], tileset="ts", confounder_column="centre")
+    return root
+
+
+PROBE = {
+    "schedule": [
+        {"split_map": [[0, 0, 2 * RPS], [0, 1, 2 * RPS], [1, 0, 2 * RPS], [1, 1, 2 * RPS]], "max_train_slides": 3},
+        {"split_map": [[0, 0, 3 * RPS], [1, 1, 3 * RPS]], "max_train_slides": 3},
+    ],
+    "rows_per_slide": RPS, "iterations": 2, "seed": 1000,
+    "id_filter": {"column": "subset", "value": "ID"},
+    "test_sets": {"out_of_domain": {"column": "subset", "value": "OOD"}},
+}
+
+
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
+def test_probe_units_run_once_and_record_failures(tmp_path):
+    """A job with a [probe] table plans one probe-sweep unit per encoder x probe view; the sweep
+    fans out on the run's client, its APD/nIPD records land in the store (equal to a direct
+    run_probe_unit call), a second run executes nothing, an unfit view is a recorded failure."""
+    from cachescore.pipeline.probe_unit import run_probe_unit
+    from cachescore.pipeline.status import unit_status
+
+    root = _probe_cache(tmp_path / "cache")
+    job = parse_job({"schema_version": 1,
+                     "job": {"cache": str(root), "store": str(tmp_path / "store"), "views": ["v"],
+                             "probe_views": ["v", "short"]},
+                     "metrics": {"families": ["ri"]}, "probe": PROBE,
+                     "execution": {"n_workers": 1, "retries": 0, "dashboard": False, "performance_report": False}},
+                    path=tmp_path / "job.toml")
+    plan = plan_job(job)
+    probe_units = [u for u in plan.pending if u.metric == "probe"]
+    assert sorted((u.encoder, u.view) for u in probe_units) == [
+        ("encA", "short"), ("encA", "v"), ("encB", "short"), ("encB", "v")]
+    first = run(job)
+    assert first.executed == 6 and first.succeeded == 4 and len(first.failures) == 2
+    assert all(f["label"].endswith("/short/probe") and "rows_per_slide" in f["error"] for f in first.failures)
+
+    scores = ResultsStore(job.store).scores()
+    probe = scores[scores["family"] == "probe"]
+    assert len(probe) == 2 * 2 * 2  # encoders x (in_domain, out_of_domain) x (apd, nipd)
+    records, _ = run_probe_unit(root, "encB", "v", job.probe, bundle_root=tmp_path / "direct",
+                                code_version="test-pinned")
+    for rec in records:
+        row = probe[probe["fingerprint"] == rec["fingerprint"]]
+        assert len(row) == 1 and row["value"].iloc[0] == pytest.approx(rec["value"], rel=0, abs=0, nan_ok=True)
+    assert (job.bundles / "encB" / "v").is_dir()
+
+    states = {(r["encoder"], r["view"], r["metric"]): r["state"] for r in unit_status(job)}
+    assert states[("encA", "v", "probe")] == "done" and states[("encA", "short", "probe")] == "failed"
+    second = run(job)
+    assert second.executed == 2 and second.skipped == 4  # only the two unfit units are retried
+

@@ -1,4 +1,4 @@
-"""Command line: ``cachescore run | status | import | demo | schema``.
+"""Command line: ``cachescore run | status | report | import | demo | schema``.
 
 Commands are thin: parse, call the library, format, return an exit code.
 
@@ -8,6 +8,8 @@ Commands are thin: parse, call the library, format, return an exit code.
   unreachable scheduler).
 * ``cachescore status JOB`` – per unit: ``done``, ``failed``, ``stale`` (a result exists for the
   same encoder/view/design/metric/params but older inputs or code) or ``missing``.
+* ``cachescore report JOB [--out HTML]`` – the static HTML report of the job's store
+  (:func:`cachescore.report.build_report`).
 * ``cachescore import …`` – build a cache from ``.npy`` files (:func:`cachescore.cache.import_cache`).
 * ``cachescore demo [DIR]`` – write the self-contained demo job into DIR and run it.
 * ``cachescore schema`` – list every job-file key with its default and meaning.
@@ -200,6 +202,19 @@ def _cmd_demo(args) -> int:
     return rc
 
 
+def _cmd_report(args) -> int:
+    from .cache import Cache
+    from .jobs import load_job
+    from .report import build_report
+
+    job = load_job(args.job)
+    out = Path(args.out) if args.out else Path(job.store) / "report.html"
+    cache = Cache(job.cache) if Path(job.cache).is_dir() else None
+    path = build_report(job.store, out, cache=cache)
+    print(f"report: {path}")
+    return 0
+
+
 def _cmd_schema(args) -> int:
     from .jobs import describe_schema
 
@@ -239,6 +254,11 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--shard-rows", type=int, default=None, help="rows per shard (default: ~64-256 MiB)")
     i.add_argument("--overwrite", action="store_true", help="replace existing arrays")
     i.set_defaults(func=_cmd_import)
+
+    rp = sub.add_parser("report", help="write the HTML report (leaderboards, distributions, failures, provenance)")
+    rp.add_argument("job")
+    rp.add_argument("--out", default=None, help="HTML file to write (default: <store>/report.html)")
+    rp.set_defaults(func=_cmd_report)
 
     d = sub.add_parser("demo", help="synthesise and score the demo cache")
     d.add_argument("dir", nargs="?", default="cachescore-demo", help="work folder (default ./cachescore-demo)")

@@ -8,7 +8,7 @@ are errors (:class:`JobError`, a ``ValueError``) that name the file and the dott
 Layout of a job file (``schema_version = 1``)::
 
     schema_version = 1
-    [job]        name, cache, store, encoders, views, design
+    [job]        name, cache, store, encoders, views, design, probe_views, bundles
     [demo]       synthesise, seed, n_slides_per_cell, tiles_per_slide, dim   (optional)
     [metrics]    families
     [metrics.ri]     k_candidates
@@ -16,6 +16,8 @@ Layout of a job file (``schema_version = 1``)::
     [metrics.croma]  m, alpha, start_k, k_growth_factor
     [neighbors]  backend, auto_threshold, recall_target, recall_sample, seed
     [execution]  n_workers, memory_limit, retries, dashboard, performance_report, scheduler
+    [probe]      optional PathoROB probe sweep per encoder × probe view; its keys are
+                 :data:`cachescore.pipeline.probe_unit.PROBE_KEYS`, validated by ``ProbeParams``
 
 Relative paths (``job.cache``, ``job.store``) are resolved against the job file's folder, so a
 job file can travel with its cache. ``print(describe_schema())`` lists every key.
@@ -155,6 +157,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "views": Key((list,), [], "Views to score; empty = every view in the cache.", _str_list),
         "design": Key((str,), "auto", "Evaluation design: 'auto' (the view's hint, else 'all'), 'all' or 'paired_2x2'.",
                       _one_of(JOB_DESIGNS)),
+        "probe_views": Key((list,), [], "Views the probe sweep runs on (only with a [probe] table); empty = every "
+                                        "view of the job.", _str_list),
+        "bundles": Key((str,), "", "Folder of probe evaluation bundles; empty = <store>/bundles; relative to the "
+                                   "job file's folder."),
     },
     "demo": {
         "synthesise": Key((bool,), False, "Synthesise the demo cache at job.cache when that folder does not exist."),
@@ -221,6 +227,13 @@ class Job:
     execution: dict = field(default_factory=dict)
     #: The normalised document (all keys, defaults filled), as recorded in provenance.
     document: dict = field(default_factory=dict)
+    #: Probe-sweep parameters (:class:`cachescore.pipeline.probe_unit.ProbeParams`) from the
+    #: optional ``[probe]`` table; None when the job runs no probe sweep.
+    probe: Any = None
+    #: Where probe evaluation bundles go (absolute).
+    bundles: Path | None = None
+    #: Views the probe sweep runs on (empty = every view of the job).
+    probe_views: tuple[str, ...] = ()
 
 
 def describe_schema() -> str:
@@ -231,6 +244,11 @@ def describe_schema() -> str:
         for name, key in keys.items():
             default = "(required)" if key.default is None else repr(key.default)
             lines.append(f"  {name} = {default}  # {key.doc}")
+    from ..pipeline.probe_unit import PROBE_KEYS
+
+    lines.append("[probe]  (optional; '*' = required when the table is present)")
+    for name, doc in PROBE_KEYS.items():
+        lines.append(f"  {name}  # {doc}")
     return "\n".join(lines)
 
 
@@ -282,8 +300,8 @@ def parse_job(doc: dict, *, path: str | Path | None = None) -> Job:
     def walk(table: dict, prefix: str) -> None:
         for name, value in table.items():
             dotted = f"{prefix}.{name}" if prefix else name
-            if not prefix and name == "schema_version":
-                continue
+            if not prefix and name in ("schema_version", "probe"):
+                continue  # [probe] is validated by ProbeParams.from_dict below
             if dotted in SCHEMA:
                 if not isinstance(value, dict):
                     raise JobError(f"{src}: '{dotted}' must be a table ([{dotted}]), got {value!r}")
@@ -325,11 +343,21 @@ def parse_job(doc: dict, *, path: str | Path | None = None) -> Job:
         "croma": dict(full["metrics.croma"]),
     }
     document = {"schema_version": SCHEMA_VERSION, **full}
+    probe = None
+    if "probe" in doc:
+        from ..pipeline.probe_unit import ProbeParams
+
+        try:
+            probe = ProbeParams.from_dict(doc["probe"], source=src, prefix="probe")
+        except ValueError as exc:
+            raise JobError(str(exc)) from None
+        document["probe"] = probe.to_dict()
+    store = resolve(jobs["store"])
     return Job(
         path=Path(path).resolve() if path is not None else None,
         name=jobs["name"],
         cache=resolve(jobs["cache"]),
-        store=resolve(jobs["store"]),
+        store=store,
         encoders=tuple(jobs["encoders"]),
         views=tuple(jobs["views"]),
         design=jobs["design"],
@@ -338,6 +366,9 @@ def parse_job(doc: dict, *, path: str | Path | None = None) -> Job:
         neighbors=dict(full["neighbors"]),
         execution=dict(full["execution"]),
         document=document,
+        probe=probe,
+        bundles=resolve(jobs["bundles"]) if jobs["bundles"] else store / "bundles",
+        probe_views=tuple(jobs["probe_views"]),
     )
 
 

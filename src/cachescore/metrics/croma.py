@@ -28,7 +28,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..neighbors.normalize import normalize_rows
-from ..neighbors.typed import count_within, typed_knn
+from ..neighbors.typed import count_within, typed_knn, typed_knn_and_counts
 from ..types import CRoMaResult
 from ._manifest import Scope, check_features, check_finite_rows, coerce_manifest, normalize_design, prepare
 from .tail import compute_tail_metrics, confounder_dominant_fraction
@@ -80,31 +80,56 @@ def croma_schedule(n: int, start_k: int, k_growth_factor: float, max_need: float
     return k_start, k, retries
 
 
-def _scope_schedule(
-    u, scope: Scope, so: np.ndarray, os_: np.ndarray, *, start_k, k_growth_factor, count=True, count_search=count_within
-) -> tuple[int, int, int] | None:
-    """The scope's ``(k_start, k_final, retries)``; ``None`` when only a counting pass could tell
-    and ``count`` is False."""
+def _schedule_or_radius(dtype, scope: Scope, so, os_, *, start_k, k_growth_factor):
+    """``(schedule, None)`` when the scope's schedule is decided without counting, else
+    ``(None, radius)``: the per-unit radius (with slack) to count cross-group rows within."""
     n = scope.n
     if n <= 1:
-        return 0, 0, 0
+        return (0, 0, 0), None
     if int(max(1, min(int(start_k), n - 1))) >= n - 1:
-        return croma_schedule(n, start_k, k_growth_factor, 0)  # one round, at the cap: no counting
+        return croma_schedule(n, start_k, k_growth_factor, 0), None  # one round, at the cap
     radius = np.maximum(so[:, -1], os_[:, -1])
     if not np.isfinite(radius).all():
-        return croma_schedule(n, start_k, k_growth_factor, math.inf)
-    if not count:
-        return None
+        return croma_schedule(n, start_k, k_growth_factor, math.inf), None
     # Cheap bracket: every unit needs at least its 2*m_max typed rows and at most its whole
     # cross-group pool. When both bounds give the same schedule, no counting pass is needed.
     m_max = so.shape[1]
     upper = n - int(np.unique(scope.groups, return_counts=True)[1].min())
     lower = min(2 * m_max, upper)
     if croma_schedule(n, start_k, k_growth_factor, lower) == croma_schedule(n, start_k, k_growth_factor, upper):
-        return croma_schedule(n, start_k, k_growth_factor, upper)
-    slack = _COUNT_SLACK_EPS * float(np.finfo(u.dtype).eps)
-    need = count_search(u, scope.groups, radius + slack)
-    return croma_schedule(n, start_k, k_growth_factor, int(need.max()))
+        return croma_schedule(n, start_k, k_growth_factor, upper), None
+    return None, radius + _COUNT_SLACK_EPS * float(np.finfo(dtype).eps)
+
+
+def _scope_schedule(
+    u, scope: Scope, so: np.ndarray, os_: np.ndarray, *, start_k, k_growth_factor, count=True, count_search=count_within
+) -> tuple[int, int, int] | None:
+    """The scope's ``(k_start, k_final, retries)``; ``None`` when only a counting pass could tell
+    and ``count`` is False. An unresolved unit sends the schedule to the cap: no counting."""
+    decided, radius = _schedule_or_radius(u.dtype, scope, so, os_, start_k=start_k, k_growth_factor=k_growth_factor)
+    if decided is not None:
+        return decided
+    if not count:
+        return None
+    need = count_search(u, scope.groups, radius)
+    return croma_schedule(scope.n, start_k, k_growth_factor, int(need.max()))
+
+
+def _fused_search(u, scope: Scope, m_max, *, start_k, k_growth_factor):
+    """The default exact backend with the counting pass sharing the typed search's GEMMs
+    (:func:`cachescore.neighbors.typed.typed_knn_and_counts`): ``(so, os, schedule)``."""
+    decided = {}
+
+    def radius_for(so, os_):
+        decided["schedule"], radius = _schedule_or_radius(
+            u.dtype, scope, so, os_, start_k=start_k, k_growth_factor=k_growth_factor
+        )
+        return radius
+
+    so, os_, need = typed_knn_and_counts(u, scope.labels, scope.confounders, scope.groups, m_max, radius_for)
+    if need is not None:
+        return so, os_, croma_schedule(scope.n, start_k, k_growth_factor, int(need.max()))
+    return so, os_, decided["schedule"]
 
 
 def _margins(so: np.ndarray, os_: np.ndarray):
@@ -231,7 +256,10 @@ class CrossConfounderRobustnessMargin:
 
         ``count_search(u, groups, radius) -> counts`` replaces the counting pass's kernel
         (default :func:`cachescore.neighbors.typed.count_within`, whose contract it must honour),
-        e.g. ``cachescore.pipeline.blocked_search.make_search(client, "count")``.
+        e.g. ``cachescore.pipeline.blocked_search.make_search(client, "count")``. With the default
+        backends (``typed_search is typed_knn``, no ``count_search``) both passes run fused
+        (:func:`~cachescore.neighbors.typed.typed_knn_and_counts`): the typed cell pairs' GEMMs
+        serve the count too.
         """
         design = normalize_design(evaluation_design)
         ordered_m, single = _parse_m(m)
@@ -256,23 +284,28 @@ class CrossConfounderRobustnessMargin:
             if n >= 2:
                 check_finite_rows(features, scope.rows)
                 u = normalize_rows(features[scope.rows])
-                so, os_ = typed_search(u, scope.labels, scope.confounders, scope.groups, m_max)
+                fused = typed_search is typed_knn and count_search is None and schedule_diagnostics
+                if fused:
+                    so, os_, diag = _fused_search(u, scope, m_max, start_k=start_k, k_growth_factor=k_growth_factor)
+                else:
+                    so, os_ = typed_search(u, scope.labels, scope.confounders, scope.groups, m_max)
                 so = np.ascontiguousarray(so, dtype=np.float64)
                 os_ = np.ascontiguousarray(os_, dtype=np.float64)
                 if so.shape != (n, m_max) or os_.shape != (n, m_max):
                     raise ValueError(
                         f"typed_search returned shapes {so.shape} and {os_.shape}; expected ({n}, {m_max}) each"
                     )
-                diag = _scope_schedule(
-                    u,
-                    scope,
-                    so,
-                    os_,
-                    start_k=start_k,
-                    k_growth_factor=k_growth_factor,
-                    count=schedule_diagnostics,
-                    count_search=count_within if count_search is None else count_search,
-                )
+                if not fused:
+                    diag = _scope_schedule(
+                        u,
+                        scope,
+                        so,
+                        os_,
+                        start_k=start_k,
+                        k_growth_factor=k_growth_factor,
+                        count=schedule_diagnostics,
+                        count_search=count_within if count_search is None else count_search,
+                    )
             else:
                 so = np.full((n, m_max), np.inf)
                 os_ = np.full((n, m_max), np.inf)

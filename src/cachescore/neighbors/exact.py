@@ -3,28 +3,35 @@
 Symmetric tiling. The scope is cut into square row blocks ``B_0, B_1, …``; for every pair
 ``I <= J`` one BLAS GEMM gives the similarity tile ``S = U_I @ U_J.T``, and that one tile is
 reduced to top-k candidates along **both** axes: its rows feed the rows of ``B_I``, its columns
-the rows of ``B_J``. Every distance is therefore computed once (about half the flops of a
-query-by-query search), and ``d(i, j) == d(j, i)`` bit for bit. Entries of a row's own group
+the rows of ``B_J``. Every distance is therefore computed once (for scopes of many tiles about
+half the flops of a query-by-query search), and ``d(i, j) == d(j, i)`` bit for bit. Entries of a row's own group
 (self included) are set to ``-inf`` in the tile before anything is selected. Peak memory is one
-tile plus the ``(n, kmax)`` output; an ``n × n`` matrix is never built.
+tile and two boolean masks of it plus the ``(n, kmax)`` lists; an ``n × n`` matrix is never built.
 
 Order contract: each output row is sorted by ``(distance, scope row index)`` ascending, so equal
 distances are broken by the smaller index (spec §3.4: the reference's own tie order is
 platform-defined; ours is deterministic).
 
 Selection works on similarities with a per-row lower bound, so a tile is touched only by the
-GEMM, two comparisons, one ``or`` and one ``flatnonzero``. The pairs are visited as
-``for I: for J >= I`` so every row meets its column blocks in increasing index order; once a row
-holds ``kmax`` entries a later entry can enter only if its distance is strictly below the current
-``kmax``-th distance ``t`` (an equal distance loses the index tie-break), which implies
-``S > 1 - t - ulp``. A row with fewer than ``kmax`` entries takes its bound from the ``kmax``-th
-largest similarity over a sample of the tile (it bounds the row's final ``kmax``-th nearest).
-Bounds keep a small slack (a superset of the true survivors). Exact distances
-``clip(1 - S, 0, 2)`` — the arithmetic of
+GEMM, two comparisons, one ``or`` and one ``flatnonzero`` (the diagonal tiles: one comparison).
+The pairs are visited as ``for I: for J >= I`` so every row meets its column blocks in
+increasing index order; once a row holds ``kmax`` entries a later entry can enter only if its
+distance is strictly below the current ``kmax``-th distance ``t`` (an equal distance loses the
+index tie-break), which implies ``S > 1 - t - ulp``. A row with fewer than ``kmax`` entries takes
+as bound the ``kmax``-th largest of the maxima of ``4 kmax`` disjoint column chunks of the tile:
+``kmax`` chunks reaching a value hold ``kmax`` distinct rows at least that similar, so the row's
+final ``kmax``-th nearest is at least that near. Bounds keep a small slack (a superset of the
+true survivors). Exact distances ``clip(1 - S, 0, 2)`` — the arithmetic of
 :func:`~cachescore.neighbors.normalize.cosine_distance_block` — are computed for the survivors
-only and merged with the running lists by one stable sort on ``(row, distance)``: running
-entries precede the tile's, and both are in increasing index order, so stability is the index
-tie-break.
+only. Each row's running list and its survivors are merged by a stable sort on distance:
+running entries precede the tile's and both are in increasing index order, so stability is the
+index tie-break.
+
+Bits: a distance is one entry of one GEMM whichever side of the tile uses it, so
+``d(i, j) == d(j, i)`` exactly. BLAS computes an entry with the same accumulation order over
+``d`` whatever the tile shape on the platforms tested (OpenBLAS), so the ``rows=`` path and the
+query path of the reference give the same bits there; the contract (spec §12.3) only promises
+agreement to a few ulp.
 
 ``rows=`` restricts the search to a subset of query rows (for distributing one scope over
 workers); it runs the same selection over query-row × column tiles in increasing column order.
@@ -36,14 +43,15 @@ import numpy as np
 
 from .normalize import cosine_distance_block
 
-__all__ = ["cross_group_knn", "farthest_rows", "default_block_sizes"]
+__all__ = ["cross_group_knn", "farthest_rows", "default_block_sizes", "search_flops"]
 
 #: Target number of distance entries in one block (rows × columns); ~32 MiB in float32.
 _BLOCK_ENTRIES = 1 << 23
-#: Target edge of a square tile of the symmetric search.
-_TILE = 2048
-#: Bound on the same-group pair list held per row block (row block × largest group).
-_PAIR_ENTRIES = 1 << 22
+#: Target edge of a square tile of the symmetric search (float32; float64: half). Large tiles keep
+#: BLAS efficient and the merges few; the diagonal tiles (computed whole) cost ~n·tile·d extra.
+_TILE = 2688
+#: Padded-matrix merge unless it would exceed 4× the merged entries plus this many slots.
+_FLAT_SLACK = 1 << 16
 
 
 def default_block_sizes(n: int, dtype) -> tuple[int, int]:
@@ -55,12 +63,25 @@ def default_block_sizes(n: int, dtype) -> tuple[int, int]:
     return rows, cols
 
 
-def _tile_size(n: int, dtype, largest_group: int) -> int:
+def _tile_size(n: int, dtype) -> int:
     """Edge of the square tiles: ≤ ``_TILE`` (float64: half), equal tiles covering ``n``."""
     target = _TILE if np.dtype(dtype) == np.float32 else _TILE // 2
-    target = min(target, max(64, _PAIR_ENTRIES // max(1, largest_group)))
     blocks = -(-max(n, 1) // target)
     return -(-max(n, 1) // blocks)
+
+
+def search_flops(n: int, d: int, dtype=np.float32, block: int | None = None) -> int:
+    """Multiply-add flops (``2 × entries × d``) of the GEMMs one whole-scope :func:`cross_group_knn`
+    performs: every tile pair ``I <= J`` once (about ``n² d`` instead of ``2 n² d``).
+
+    ``dtype`` and ``block`` (``block_rows``) as the search would see them (they set the tile edge).
+    """
+    if n <= 0:
+        return 0
+    tile = int(block) if block else _tile_size(n, dtype)
+    sizes = [min(n, s + tile) - s for s in range(0, n, tile)]
+    entries = sum(sizes[i] * sizes[j] for i in range(len(sizes)) for j in range(i, len(sizes)))
+    return 2 * entries * int(d)
 
 
 def _check_inputs(u: np.ndarray, groups: np.ndarray, kmax: int):
@@ -80,27 +101,28 @@ def _check_inputs(u: np.ndarray, groups: np.ndarray, kmax: int):
 
 
 class _Groups:
-    """Group membership lists (CSR), to mask same-group pairs without a (rows × cols) comparison."""
+    """Rows sorted by ``(group, index)``, to find the same-group pairs of any tile by binary search
+    (no (rows × cols) comparison, memory bounded by the tile whatever the group sizes)."""
 
     def __init__(self, groups: np.ndarray):
+        if groups.size and int(groups.max()) >= groups.size:  # codes < n keep the keys in range
+            groups = np.unique(groups, return_inverse=True)[1].astype(np.int64)
         self.groups = groups
-        self.order = np.argsort(groups, kind="stable")
-        n_groups = int(groups.max()) + 1 if groups.size else 0
-        self.starts = np.zeros(n_groups + 1, dtype=np.int64)
-        np.cumsum(np.bincount(groups, minlength=n_groups), out=self.starts[1:])
-        self.largest = int(np.diff(self.starts).max()) if n_groups else 1
+        self.n = groups.size
+        order = np.argsort(groups, kind="stable")
+        self.keys = groups[order] * self.n + order  # ascending; groups < n, so no overflow
 
-    def pairs(self, query_rows: np.ndarray):
-        """(position in ``query_rows``, scope column) of every same-group pair, sorted by column."""
-        g = self.groups[query_rows]
-        lo = self.starts[g]
-        sizes = self.starts[g + 1] - lo
+    def tile_pairs(self, a0: int, a1: int, b0: int, b1: int):
+        """(row - a0, column - b0) of every same-group pair of the tile ``a0:a1 × b0:b1``."""
+        base = self.groups[a0:a1] * self.n
+        lo = np.searchsorted(self.keys, base + b0)
+        sizes = np.searchsorted(self.keys, base + b1) - lo
         total = int(sizes.sum())
-        local = np.repeat(np.arange(query_rows.size, dtype=np.int64), sizes)
-        offsets = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes)
-        cols = self.order[np.repeat(lo, sizes) + offsets]
-        by_col = np.argsort(cols, kind="stable")
-        return local[by_col], cols[by_col]
+        if total == 0:
+            return None
+        local = np.repeat(np.arange(a1 - a0, dtype=np.int64), sizes)
+        pos = np.arange(total, dtype=np.int64) + np.repeat(lo - (np.cumsum(sizes) - sizes), sizes)
+        return local, self.keys[pos] % self.n - b0
 
 
 class _Running:
@@ -108,10 +130,13 @@ class _Running:
 
     def __init__(self, n: int, kk: int, dtype):
         self.kk = kk
-        self.dist = np.full((n, kk), np.inf, dtype=np.float64)
-        self.idx = np.full((n, kk), -1, dtype=np.int64)
         self.f32 = np.dtype(dtype) == np.float32
         self.dtype = np.dtype(dtype)
+        # lists kept in the compute dtype (distances are exactly such numbers) and the smallest
+        # index type: less memory traffic in the merges; widened once at the end
+        itype = np.int32 if n < np.iinfo(np.int32).max else np.int64
+        self.dist = np.full((n, kk), np.inf, dtype=self.dtype)
+        self.idx = np.full((n, kk), -1, dtype=itype)
         # similarity slack covering the rounding of 1 - S (a few ulp near 1) and of the bound's cast
         self.margin = 1e-6 if self.f32 else 4e-15
 
@@ -124,7 +149,7 @@ class _Running:
         ``kk``). ``kk`` chunks reaching a value hold ``kk`` distinct rows at least as similar, so
         the row's final ``kk``-th nearest is at least that near.
         """
-        t = self.dist[r0:r1, self.kk - 1]
+        t = self.dist[r0:r1, self.kk - 1].astype(np.float64)
         low = (1.0 - t) - self.margin  # -inf where the row is not full
         need = np.flatnonzero(np.isinf(t))
         if need.size:
@@ -163,14 +188,16 @@ class _Running:
         counts = counts[touched]
         width = kk + int(counts.max())
         # exactly cosine_distance_block's arithmetic, on the candidates only
-        cand_d = np.clip(np.subtract(1, cand_s), 0, 2).astype(np.float64)
-        if t * width > 4 * (t * kk + rows.size) + (1 << 16):
+        cand_d = np.clip(np.subtract(1, cand_s), 0, 2)
+        if t * width > 4 * (t * kk + rows.size) + _FLAT_SLACK:
             self._merge_flat(r0, touched, np.repeat(np.arange(t), counts), cand_d, cand_i)
             return
-        dist = np.full((t, width), np.inf)
-        idx = np.full((t, width), -1, dtype=np.int64)
+        dist = np.empty((t, width), dtype=self.dist.dtype)
+        idx = np.empty((t, width), dtype=self.idx.dtype)
         dist[:, :kk] = self.dist[where]
         idx[:, :kk] = self.idx[where]
+        dist[:, kk:] = np.inf
+        idx[:, kk:] = -1
         starts = np.cumsum(counts) - counts
         slot = np.repeat(np.arange(t), counts)
         col = kk + np.arange(rows.size) - np.repeat(starts, counts)
@@ -194,8 +221,8 @@ class _Running:
         first = np.searchsorted(all_r, np.arange(touched.size))
         rank = np.arange(all_r.size) - first[all_r]
         sel = rank < kk
-        out_d = np.full((touched.size, kk), np.inf)
-        out_i = np.full((touched.size, kk), -1, dtype=np.int64)
+        out_d = np.full((touched.size, kk), np.inf, dtype=self.dist.dtype)
+        out_i = np.full((touched.size, kk), -1, dtype=self.idx.dtype)
         out_d[all_r[sel], rank[sel]] = all_d[sel]
         out_i[all_r[sel], rank[sel]] = all_i[sel]
         self.dist[r0 + touched] = out_d
@@ -285,7 +312,7 @@ def cross_group_knn(
     kk = min(k, n)  # never more than n entries can be kept
     grp = _Groups(groups)
     given = [int(b) for b in (block_rows, block_cols) if b is not None]
-    tile = min(given) if given else _tile_size(n, u.dtype, grp.largest)
+    tile = min(given) if given else _tile_size(n, u.dtype)
     starts = list(range(0, n, tile))
     run = _Running(n, kk, u.dtype)
     buf = np.empty(tile * tile, dtype=u.dtype)
@@ -295,15 +322,14 @@ def cross_group_knn(
     for bi, a0 in enumerate(starts):
         a1 = min(n, a0 + tile)
         ua = u[a0:a1]
-        pair_rows, pair_cols = grp.pairs(np.arange(a0, a1))
         for b0 in starts[bi:]:
             b1 = min(n, b0 + tile)
             ra, cb = a1 - a0, b1 - b0
             sim = buf[: ra * cb].reshape(ra, cb)
             np.matmul(ua, u[b0:b1].T, out=sim)  # one GEMM; distances only for candidates
-            lo, hi = np.searchsorted(pair_cols, [b0, b1])
-            if hi > lo:
-                sim[pair_rows[lo:hi], pair_cols[lo:hi] - b0] = -np.inf
+            same = grp.tile_pairs(a0, a1, b0, b1)
+            if same is not None:
+                sim[same] = -np.inf
             diagonal = a0 == b0
             low_r = run.bounds(a0, a1, lambda r: _row_maxima(sim, r, kk))
             mask = hit[: ra * cb].reshape(ra, cb)
@@ -326,6 +352,12 @@ def cross_group_knn(
                 on_col = cand >= low_c[c]
                 on_col &= cand > -np.inf
                 run.merge(b0, b1, c[on_col], cand[on_col], r[on_col] + a0, grouped=False)
+    return _widen(run, k)
+
+
+def _widen(run: _Running, k: int):
+    """The ``(n, k)`` int64 / float64 output tables from the running lists (padded to ``k``)."""
+    n, kk = run.idx.shape
     out_idx = np.full((n, k), -1, dtype=np.int64)
     out_dist = np.full((n, k), np.inf, dtype=np.float64)
     out_idx[:, :kk] = run.idx
@@ -346,19 +378,16 @@ def _query_rows(u, groups, k, q0, q1, block_rows, block_cols):
     br, bc = default_block_sizes(n, u.dtype)
     br = int(block_rows or br)
     bc = int(block_cols or bc)
-    if block_rows is None:  # bound the same-group pair lists (rows x largest group) per row block
-        br = min(br, max(64, _PAIR_ENTRIES // grp.largest))
     run = _Running(m, kk, u.dtype)
     for r0 in range(q0, q1, br):
         r1 = min(q1, r0 + br)
         q = u[r0:r1]
-        pair_rows, pair_cols = grp.pairs(np.arange(r0, r1))
         for c0 in range(0, n, bc):
             c1 = min(n, c0 + bc)
             sim = q @ u[c0:c1].T
-            lo, hi = np.searchsorted(pair_cols, [c0, c1])
-            if hi > lo:
-                sim[pair_rows[lo:hi], pair_cols[lo:hi] - c0] = -np.inf
+            same = grp.tile_pairs(r0, r1, c0, c1)
+            if same is not None:
+                sim[same] = -np.inf
             low = run.bounds(r0 - q0, r1 - q0, lambda r: _row_maxima(sim, r, kk))
             flat = np.flatnonzero(sim >= low[:, None])
             if flat.size == 0:
@@ -368,9 +397,7 @@ def _query_rows(u, groups, k, q0, q1, block_rows, block_cols):
             flat, cand = flat[keep], cand[keep]
             r, c = np.divmod(flat, c1 - c0)
             run.merge(r0 - q0, r1 - q0, r, cand, c + c0, grouped=True)
-    out_idx[:, :kk] = run.idx
-    out_dist[:, :kk] = run.dist
-    return out_idx, out_dist
+    return _widen(run, k)
 
 
 def farthest_rows(u, queries=None, *, block_rows: int | None = None, block_cols: int | None = None) -> np.ndarray:

@@ -46,7 +46,9 @@ import numpy as np
 from .normalize import cosine_distance_block
 
 __all__ = [
+    "COUNT_BLOCK_ROWS",
     "DEFAULT_BLOCK_ROWS",
+    "FUSED_TILE_BYTES",
     "TypedLayout",
     "count_block",
     "count_layout",
@@ -55,6 +57,7 @@ __all__ = [
     "similarity_floor",
     "typed_block",
     "typed_knn",
+    "typed_knn_and_counts",
     "typed_layout",
     "typed_merge",
 ]
@@ -62,6 +65,12 @@ __all__ = [
 #: Edge of the square distance tiles (query rows × target columns) when ``block_rows`` is None.
 #: 2048² float64 entries = 32 MiB per tile.
 DEFAULT_BLOCK_ROWS = 2048
+
+#: Edge of the square tiles of the counting pass when ``block_rows`` is None. Smaller than
+#: :data:`DEFAULT_BLOCK_ROWS` because the diagonal tiles of the upper triangle are computed in
+#: full: 512 keeps that waste near 6 % at N = 8,000 while the GEMMs stay at full speed (measured
+#: 0.27 s vs 0.41 s with 2048 for the benchmark view of ``benchmarks/croma_speed.py``).
+COUNT_BLOCK_ROWS = 512
 
 
 def _check_inputs(u, labels, confounders, groups):
@@ -78,8 +87,8 @@ def _check_inputs(u, labels, confounders, groups):
     return u, arrays
 
 
-def _block(block_rows) -> int:
-    b = DEFAULT_BLOCK_ROWS if block_rows is None else int(block_rows)
+def _block(block_rows, default=DEFAULT_BLOCK_ROWS) -> int:
+    b = default if block_rows is None else int(block_rows)
     if b < 1:
         raise ValueError(f"block_rows must be >= 1, got {block_rows}")
     return b
@@ -97,10 +106,14 @@ def _transpose(a: np.ndarray) -> np.ndarray:
 
 
 def _merge_largest(buf: np.ndarray, tile: np.ndarray, m: int) -> None:
-    """``buf`` (r, m) := per row the ``m`` largest of ``buf`` ∪ ``tile`` (r, w), unordered."""
+    """``buf`` (r, m) := per row the ``m`` largest of ``buf`` ∪ ``tile`` (r, w), unordered.
+
+    ``tile`` is partitioned **in place** (its rows are reordered, their multisets kept): no copy
+    of the tile is made."""
     w = tile.shape[1]
     if w > m:
-        tile = np.partition(tile, w - m, axis=1)[:, w - m :]
+        tile.partition(w - m, axis=1)
+        tile = tile[:, w - m :]
     both = np.concatenate([buf, tile], axis=1)
     buf[:] = np.partition(both, both.shape[1] - m, axis=1)[:, both.shape[1] - m :]
 
@@ -132,6 +145,7 @@ class TypedLayout:
     starts: np.ndarray
     ranges: tuple
     blocks: tuple
+    oo_pairs: tuple = ()
 
 
 def typed_layout(labels, confounders, groups, *, block_rows=None):
@@ -162,6 +176,11 @@ def typed_layout(labels, confounders, groups, *, block_rows=None):
         return any(np.intersect1d(cell_groups[q], cell_groups[t], assume_unique=True).size for t in cells)
 
     ranges, blocks = [], []
+    oo_pairs = tuple(
+        (q, int(t), shares(q, [t]))
+        for q in range(n_cells)
+        for t in np.flatnonzero((cell_lab != cell_lab[q]) & (cell_con != cell_con[q]) & (np.arange(n_cells) > q))
+    )
     for q in range(n_cells):
         mine = []
         later_so = np.flatnonzero((cell_lab == cell_lab[q]) & (np.arange(n_cells) > q))
@@ -173,10 +192,10 @@ def typed_layout(labels, confounders, groups, *, block_rows=None):
         ranges.append(tuple(mine))
         if mine:
             blocks.extend((q, qs, min(qs + b, int(starts[q + 1]))) for qs in range(int(starts[q]), int(starts[q + 1]), b))
-    return TypedLayout(n, b, order, starts, tuple(ranges), tuple(blocks)), gs
+    return TypedLayout(n, b, order, starts, tuple(ranges), tuple(blocks), oo_pairs), gs
 
 
-def typed_block(us, gs, layout: TypedLayout, block, m):
+def typed_block(us, gs, layout: TypedLayout, block, m, *, keep_tiles=None):
     """Partial typed search of one query block ``(cell, qs, qe)`` of ``layout.blocks``.
 
     ``us`` (n, d) are the normalised rows in ``layout.order``, ``gs`` their group codes. Returns a
@@ -184,6 +203,11 @@ def typed_block(us, gs, layout: TypedLayout, block, m):
     the ``m`` largest similarities (unordered, ``-inf`` padded) seen in this block's tiles. The
     final result is the per-row ``m`` largest over all blocks' partials (:func:`typed_merge`),
     which does not depend on the order the partials are merged in.
+
+    ``keep_tiles``: a list to which every masked similarity tile is appended as
+    ``(qs, qe, ts, te, rows, cols)``: ``rows`` (qe-qs, te-ts) holds each query row's values and
+    ``cols`` (te-ts, qe-qs) each target row's, both in an arbitrary order within a row (used by
+    :func:`typed_knn_and_counts` to count without a second GEMM).
     """
     q, qs, qe = block
     b = layout.block_rows
@@ -198,8 +222,11 @@ def typed_block(us, gs, layout: TypedLayout, block, m):
             sim = us[qs:qe] @ us[ts:te].T
             if shared:
                 np.copyto(sim, neg, where=gs[qs:qe, None] == gs[None, ts:te])
-            _merge_largest(rbuf, sim, m)
-            _merge_largest(cbuf[ts - t0 : te - t0], _transpose(sim), m)
+            cols = _transpose(sim)
+            _merge_largest(rbuf, sim, m)  # reorders each row of sim, keeping its values
+            _merge_largest(cbuf[ts - t0 : te - t0], cols, m)
+            if keep_tiles is not None:
+                keep_tiles.append((qs, qe, ts, te, sim, cols))
         out.append((kind, t0, cbuf))
     out.extend((kind, qs, rbuf) for kind, rbuf in rows.items())
     return out
@@ -368,7 +395,9 @@ def count_within(u, groups, radius, *, block_rows=None) -> np.ndarray:
     ``u`` (n, d) normalised rows, ``groups`` (n,) codes, ``radius`` (n,) thresholds (``+inf`` counts
     every cross-group row). Returns int64 (n,). Distances are ``1 - u_i·u_j`` in ``u``'s dtype with
     thresholds cast to it; thresholds at or above 2 count every cross-group row (the clip to [0, 2]
-    is thereby implied). Raises ``ValueError`` for mismatched shapes or ``block_rows < 1``.
+    is thereby implied). ``block_rows``: tile edge (default :data:`COUNT_BLOCK_ROWS`; the result
+    does not depend on it beyond a last-ulp GEMM effect at exactly ``radius``). Raises
+    ``ValueError`` for mismatched shapes or ``block_rows < 1``.
 
     One blocked pass over the upper triangle of tiles: each similarity tile serves both its rows
     and its columns, so the GEMM work is about ``n²·d/2``. The comparison runs on similarities
@@ -382,7 +411,98 @@ def count_within(u, groups, radius, *, block_rows=None) -> np.ndarray:
     n = u.shape[0]
     if radius.shape != (n,):
         raise ValueError(f"radius must have shape ({n},), got {radius.shape}")
-    b = _block(block_rows)
+    b = _block(block_rows, COUNT_BLOCK_ROWS)
     order, gs, floor = count_layout(groups, radius, u.dtype)
     us = np.ascontiguousarray(u[order])
     return count_merge(n, order, (count_block(us, gs, floor, qs, b) for qs in range(0, n, b)))
+
+
+#: Largest total size (bytes) of the typed similarity tiles that :func:`typed_knn_and_counts` keeps
+#: in memory (each tile twice: row-wise and column-wise) to count on them without recomputing
+#: their GEMMs (128 MiB at N = 8,000, D any, float32, 2 labels × 4 confounders). Above it the counting pass runs
+#: separately (:func:`count_within`), so memory stays bounded whatever the scope size.
+FUSED_TILE_BYTES = 256 * 2**20
+
+
+def _count_tile(counts, sim, floor, qs, qe, ts, te, *, rows_only=False):
+    """Add the hits ``sim >= floor`` of one tile to the rows ``qs:qe`` and columns ``ts:te``."""
+    acc = np.uint16 if max(qe - qs, te - ts) < (1 << 16) else np.int64
+    hit = sim >= floor[qs:qe, None]
+    counts[qs:qe] += hit.view(np.uint8).sum(axis=1, dtype=acc)
+    if not rows_only:
+        hit = np.greater_equal(sim, floor[None, ts:te], out=hit)
+        counts[ts:te] += hit.view(np.uint8).sum(axis=0, dtype=acc)
+
+
+def typed_knn_and_counts(u, labels, confounders, groups, m, radius_for, *, block_rows=None, tile_bytes=None):
+    """:func:`typed_knn`, then :func:`count_within` with a radius derived from its result, sharing GEMMs.
+
+    ``radius_for(so_dist, os_dist)`` receives :func:`typed_knn`'s result (in the caller's row
+    order) and returns the (n,) radius to count within, or ``None`` when no count is needed.
+    Returns ``(so_dist, os_dist, counts)`` with ``counts`` int64 (n,) or ``None``.
+
+    Every distance of a typed (SO/OS) cell pair is computed once: when the typed tiles fit in
+    ``tile_bytes`` (default :data:`FUSED_TILE_BYTES`) they are kept and the counting pass only
+    compares them with the radii, and multiplies only the untyped pairs (same cell, and cells
+    differing in both label and confounder). Otherwise the count is :func:`count_within` itself.
+    The counts equal :func:`count_within`'s except where a distance lies within the last ulp of
+    its row's radius (the tiles have other GEMM shapes), which the caller's slack absorbs.
+    """
+    u, (labels, confounders, groups) = _check_inputs(u, labels, confounders, groups)
+    m = int(m)
+    if m < 1:
+        raise ValueError(f"m must be >= 1, got {m}")
+    layout, gs = typed_layout(labels, confounders, groups, block_rows=block_rows)
+    n = u.shape[0]
+    if n < 2:
+        so, os_ = np.full((n, m), np.inf), np.full((n, m), np.inf)
+        radius = radius_for(so, os_)
+        return so, os_, (None if radius is None else count_within(u, groups, radius))
+    budget = FUSED_TILE_BYTES if tile_bytes is None else int(tile_bytes)
+    typed_entries = sum((qe - qs) * sum(t1 - t0 for _, t0, t1, _ in layout.ranges[q]) for q, qs, qe in layout.blocks)
+    keep = [] if 2 * typed_entries * u.dtype.itemsize <= budget else None  # row and column copies
+    us = np.ascontiguousarray(u[layout.order])
+    parts = (typed_block(us, gs, layout, blk, m, keep_tiles=keep) for blk in layout.blocks)
+    so, os_ = typed_merge(layout, parts, m, us.dtype)
+    radius = radius_for(so, os_)
+    if radius is None:
+        return so, os_, None
+    if keep is None:
+        return so, os_, count_within(u, groups, radius)
+
+    radius = np.asarray(radius, dtype=np.float64)
+    if radius.shape != (n,):
+        raise ValueError(f"radius_for returned shape {radius.shape}; expected ({n},)")
+    # -inf marks same-group entries; a floor of -inf (radius >= 2: count all) becomes the lowest
+    # finite value so those entries still compare False
+    floor = np.maximum(similarity_floor(radius[layout.order], us.dtype), np.finfo(us.dtype).min)
+    neg = np.array(-np.inf, dtype=us.dtype)
+    counts = np.zeros(n, dtype=np.int64)
+    for qs, qe, ts, te, rows, cols in keep:  # typed pairs: compare only
+        _count_tile(counts, rows, floor, qs, qe, ts, te, rows_only=True)
+        _count_tile(counts, cols, floor, ts, te, qs, qe, rows_only=True)
+    keep.clear()
+    cb = COUNT_BLOCK_ROWS
+    starts = layout.starts
+    for c in range(len(starts) - 1):  # same cell: upper triangle of its tiles, groups sorted inside
+        c0, c1 = int(starts[c]), int(starts[c + 1])
+        for qs in range(c0, c1, cb):
+            qe = min(qs + cb, c1)
+            for ts in range(qs, c1, cb):
+                te = min(ts + cb, c1)
+                sim = us[qs:qe] @ us[ts:te].T
+                if gs[qe - 1] >= gs[ts]:
+                    np.copyto(sim, neg, where=gs[qs:qe, None] == gs[None, ts:te])
+                _count_tile(counts, sim, floor, qs, qe, ts, te, rows_only=ts == qs)
+    for q, t, shared in layout.oo_pairs:  # other label and other confounder
+        for qs in range(int(starts[q]), int(starts[q + 1]), cb):
+            qe = min(qs + cb, int(starts[q + 1]))
+            for ts in range(int(starts[t]), int(starts[t + 1]), cb):
+                te = min(ts + cb, int(starts[t + 1]))
+                sim = us[qs:qe] @ us[ts:te].T
+                if shared:
+                    np.copyto(sim, neg, where=gs[qs:qe, None] == gs[None, ts:te])
+                _count_tile(counts, sim, floor, qs, qe, ts, te)
+    out = np.empty(n, dtype=np.int64)
+    out[layout.order] = counts
+    return so, os_, out

@@ -2,14 +2,15 @@
 
 * :func:`plan_job` – fingerprinted work units, split into pending / done / invalid;
 * :func:`run_job` – the whole run (what ``cachescore run`` does) → :class:`RunSummary`;
-* :func:`execute_plan` – submit pending units to a client;
+* :func:`execute_plan` – submit pending metric units to a client;
+* :func:`run_probe_units` – run pending probe-sweep units (replicates fanned out on the client);
 * :func:`open_client` – LocalCluster on 127.0.0.1 or an existing scheduler;
 * :func:`score_unit` – the one place where a unit calls the metric API;
 * :func:`unit_status` – done / failed / stale / missing per unit.
 """
 
 from .cluster import SingleThreadBLAS, open_client
-from .execute import RunSummary, execute_plan, run_job
+from .execute import RunSummary, execute_plan, run_job, run_probe_units
 from .plan import InvalidUnit, Plan, WorkUnit, code_version, plan_job
 from .status import unit_status
 from .unit import run_unit, score_unit
@@ -23,6 +24,7 @@ __all__ = [
     "RunSummary",
     "run_job",
     "execute_plan",
+    "run_probe_units",
     "open_client",
     "SingleThreadBLAS",
     "score_unit",

@@ -31,6 +31,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from ..neighbors.typed import (
+    COUNT_BLOCK_ROWS,
     DEFAULT_BLOCK_ROWS,
     count_block,
     count_layout,
@@ -86,8 +87,8 @@ def _rows(u) -> np.ndarray:
     return np.ascontiguousarray(u)
 
 
-def _block_rows(block_rows) -> int:
-    b = DEFAULT_BLOCK_ROWS if block_rows is None else int(block_rows)
+def _block_rows(block_rows, default=DEFAULT_BLOCK_ROWS) -> int:
+    b = default if block_rows is None else int(block_rows)
     if b < 1:
         raise ValueError(f"block_rows must be >= 1, got {block_rows}")
     return b
@@ -140,7 +141,8 @@ def distributed_typed_knn(client, u, labels, confounders, groups, m, *, block_ro
 def distributed_count_within(client, u, groups, radius, *, block_rows=None) -> np.ndarray:
     """:func:`~cachescore.neighbors.typed.count_within` with its query blocks run on ``client``.
 
-    Same parameters and result (int64 (n,), identical). ``u`` (sorted by group), the group codes
+    Same parameters and result (int64 (n,), identical; ``block_rows`` defaults to
+    :data:`~cachescore.neighbors.typed.COUNT_BLOCK_ROWS` as there). ``u`` (sorted by group), the group codes
     and the per-row similarity floors are scattered once; one task per query block of the
     upper triangle of tiles. Raises ``ValueError`` for mismatched shapes or ``block_rows < 1``.
     """
@@ -150,7 +152,7 @@ def distributed_count_within(client, u, groups, radius, *, block_rows=None) -> n
     radius = np.asarray(radius, dtype=np.float64)
     if groups.shape != (n,) or radius.shape != (n,):
         raise ValueError(f"groups and radius must have shape ({n},), got {groups.shape} and {radius.shape}")
-    b = _block_rows(block_rows)
+    b = _block_rows(block_rows, COUNT_BLOCK_ROWS)
     order, gs, floor = count_layout(groups, radius, u.dtype)
     if n == 0:
         return np.zeros(0, dtype=np.int64)

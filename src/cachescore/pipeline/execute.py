@@ -26,7 +26,8 @@ from typing import TextIO
 from .plan import Plan, code_version, plan_job
 from .unit import run_unit
 
-__all__ = ["RunSummary", "execute_plan", "run_job", "ensure_demo_cache", "new_run_id", "ProgressBar"]
+__all__ = ["RunSummary", "execute_plan", "run_probe_units", "run_job", "ensure_demo_cache", "new_run_id",
+           "ProgressBar"]
 
 
 @dataclass
@@ -93,7 +94,7 @@ def execute_plan(plan: Plan, client, *, store=None, retries: int = 2, out: TextI
                  unit_fn=None, load_fn=None, run_id: str | None = None) -> tuple[int, list]:
     """Run the plan's pending units on ``client``; return ``(n_succeeded, failures)``.
 
-    One task per unit (key ``cachescore-<metric>-<fingerprint>``), ``retries`` retries for
+    One task per unit (key ``cachescore-<metric>-<fingerprint prefix>-<run id>``), ``retries`` retries for
     exceptions that are not data errors. A unit whose task finally errors (retries exhausted,
     worker killed too often) is recorded as failed in the store by the client.
     ``unit_fn`` / ``load_fn`` replace :func:`~.unit.score_unit` / :func:`~.unit.load_unit_inputs`
@@ -104,22 +105,28 @@ def execute_plan(plan: Plan, client, *, store=None, retries: int = 2, out: TextI
     from ..store import ResultsStore
 
     store = ResultsStore(plan.job.store) if store is None else store
-    units = {u.fingerprint: u for u in plan.pending}
+    units = {u.fingerprint: u for u in plan.pending if u.metric != "probe"}  # probe units: run_probe_units
     futures = {}
     for fp, u in units.items():
-        fut = client.submit(run_unit, u, unit_fn, load_fn, run_id, key=f"cachescore-{u.metric}-{fp}", retries=retries,
-                            pure=False)
+        # the run id in the key keeps runs apart: a key still held by another client (e.g. an
+        # erred task of an earlier run) would otherwise be reused instead of recomputed
+        key = f"cachescore-{u.metric}-{fp[:32]}-{run_id or 'adhoc'}"
+        fut = client.submit(run_unit, u, unit_fn, load_fn, run_id, key=key, retries=retries, pure=False)
         futures[fut] = fp
     bar = ProgressBar(len(futures), out)
     succeeded, failures = 0, []
     for fut in as_completed(list(futures), loop=client.loop):
         unit = units[futures[fut]]
-        if fut.status == "error":
-            exc = fut.exception()
+        if fut.status != "finished":  # erred after its retries, or cancelled (scheduler lost)
+            try:
+                exc = fut.exception()
+            except BaseException as lost:  # noqa: BLE001 - CancelledError is a BaseException
+                exc = lost
             err = f"{type(exc).__name__}: {exc}"
             store.record_failure(unit.fingerprint, unit=dict(unit.describe(), run_id=run_id), error=err)
             failures.append({"label": unit.label, "fingerprint": unit.fingerprint, "error": err})
             bar.update(unit.label, "FAILED")
+            fut.release()
             continue
         res = fut.result()
         if res["status"] == "done":
@@ -128,6 +135,42 @@ def execute_plan(plan: Plan, client, *, store=None, retries: int = 2, out: TextI
             failures.append({"label": unit.label, "fingerprint": unit.fingerprint, "error": res["error"]})
         bar.update(unit.label, res["status"] if res["status"] == "done" else "FAILED", res.get("seconds"))
         fut.release()
+    return succeeded, failures
+
+
+def run_probe_units(plan: Plan, client, *, store=None, out: TextIO | None = sys.stderr,
+                    run_id: str | None = None) -> tuple[int, list]:
+    """Run the plan's pending probe-sweep units; return ``(n_succeeded, failures)``.
+
+    Each unit runs :func:`~.probe_unit.run_probe_unit` from this (client) process: the sweep fans
+    its replicates out as tasks on ``client`` and gathers the matrices here; the evaluation bundle
+    goes under ``job.bundles`` and one record per (matrix, reduction) into the store. A data error
+    (invalid view for the schedule, leakage, corrupt embeddings) is recorded as the unit's failure.
+    """
+    from ..store import ResultsStore
+    from .probe_unit import run_probe_unit, write_probe_records
+    from .unit import DATA_ERRORS
+
+    store = ResultsStore(plan.job.store) if store is None else store
+    units = [u for u in plan.pending if u.metric == "probe"]
+    bar = ProgressBar(len(units), out)
+    succeeded, failures = 0, []
+    for unit in units:
+        label = f"{unit.encoder}/{unit.view}/probe"
+        t0 = time.perf_counter()
+        try:
+            records, _ = run_probe_unit(unit.cache_root, unit.encoder, unit.view, plan.job.probe,
+                                        bundle_root=plan.job.bundles, client=client,
+                                        code_version=unit.code_version)
+            write_probe_records(store, records, run_id=run_id)
+        except DATA_ERRORS as exc:
+            err = f"{type(exc).__name__}: {exc}"
+            store.record_failure(unit.fingerprint, unit=dict(unit.describe(), run_id=run_id), error=err)
+            failures.append({"label": label, "fingerprint": unit.fingerprint, "error": err})
+            bar.update(label, "FAILED")
+            continue
+        succeeded += 1
+        bar.update(label, "done", time.perf_counter() - t0)
     return succeeded, failures
 
 
@@ -203,6 +246,31 @@ def run_job(job, *, scheduler: str | None = None, out: TextIO | None = sys.stder
     summary = RunSummary(run_id=run_id, planned=n_all, executed=len(plan.pending), skipped=len(plan.done),
                          succeeded=0)
     hardware = None
+
+    def provenance(state: str) -> None:
+        store.write_provenance(run_id, {
+            "run_id": run_id,
+            "state": state,
+            "started_at": started,
+            "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds") if state == "finished" else None,
+            "job_path": str(job.path) if job.path else None,
+            "job": job.document,
+            "cache": str(job.cache),
+            "store": str(job.store),
+            "code_version": code_version(),
+            "versions": _versions(),
+            "hardware": hardware or _hardware(),
+            "input_fingerprints": plan.inputs,
+            "units": {"planned": n_all, "executed": summary.executed, "skipped": summary.skipped,
+                      "succeeded": summary.succeeded, "failed": len(failures)},
+            "executed_fingerprints": sorted(u.fingerprint for u in plan.pending),
+            "failures": failures,
+            "performance_report": summary.report_path,
+            "dashboard": summary.dashboard,
+            "seconds": time.perf_counter() - t0,
+        })
+
+    provenance("running")  # a run killed midway still leaves its provenance (state "running")
     if plan.pending:
         with open_client(scheduler, n_workers=ex["n_workers"], memory_limit=ex["memory_limit"],
                          dashboard=ex["dashboard"], processes=processes) as client:
@@ -211,38 +279,27 @@ def run_job(job, *, scheduler: str | None = None, out: TextIO | None = sys.stder
                 _say(out, f"dashboard: {summary.dashboard}")
             hardware = _hardware(client)
             kw = dict(store=store, retries=ex["retries"], out=out, unit_fn=unit_fn, load_fn=load_fn, run_id=run_id)
+
+            def work():
+                ok, fails = execute_plan(plan, client, **kw)
+                if any(u.metric == "probe" for u in plan.pending):
+                    ok_p, fails_p = run_probe_units(plan, client, store=store, out=out, run_id=run_id)
+                    ok, fails = ok + ok_p, fails + fails_p
+                return ok, fails
+
             if ex["performance_report"]:
                 from distributed import performance_report
 
                 report = Path(store.run_dir(run_id)) / "dask-performance-report.html"
                 report.parent.mkdir(parents=True, exist_ok=True)
                 with client.as_current(), performance_report(filename=str(report)):
-                    ok, fails = execute_plan(plan, client, **kw)
+                    ok, fails = work()
                 summary.report_path = str(report)
             else:
-                ok, fails = execute_plan(plan, client, **kw)
+                ok, fails = work()
         summary.succeeded = ok
         failures += fails
     summary.failures = failures
     summary.seconds = time.perf_counter() - t0
-    store.write_provenance(run_id, {
-        "run_id": run_id,
-        "started_at": started,
-        "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "job_path": str(job.path) if job.path else None,
-        "job": job.document,
-        "cache": str(job.cache),
-        "store": str(job.store),
-        "code_version": code_version(),
-        "versions": _versions(),
-        "hardware": hardware or _hardware(),
-        "input_fingerprints": plan.inputs,
-        "units": {"planned": n_all, "executed": summary.executed, "skipped": summary.skipped,
-                  "succeeded": summary.succeeded, "failed": len(failures)},
-        "executed_fingerprints": sorted(u.fingerprint for u in plan.pending),
-        "failures": failures,
-        "performance_report": summary.report_path,
-        "dashboard": summary.dashboard,
-        "seconds": summary.seconds,
-    })
+    provenance("finished")
     return summary

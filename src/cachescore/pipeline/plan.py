@@ -300,7 +300,44 @@ def plan_job(job: Job, *, cache=None, store=None) -> Plan:
                                 confounder_column=confounder, params=params, cache_root=str(job.cache),
                                 store_root=str(job.store), inputs=unit_inputs, code_version=code, fingerprint=fp)
                 (done if store.has(fp) else pending).append(unit)
+    if job.probe is not None:
+        _plan_probe_units(job, cache, store, encoders, views, code, pending, done, invalid)
     return Plan(job=job, pending=tuple(pending), done=tuple(done), invalid=tuple(invalid), inputs=inputs)
+
+
+def _plan_probe_units(job, cache, store, encoders, views, code, pending, done, invalid) -> None:
+    """Probe-sweep units (one per encoder × probe view; ``metric = design = "probe"``).
+
+    Their fingerprint is :func:`~.probe_unit.probe_unit_fingerprint` (its own code version over
+    ``probe/``, unless ``CACHESCORE_CODE_VERSION`` pins it); a unit is done when the store holds
+    every one of its (matrix, reduction) records (:func:`~.probe_unit.probe_unit_done`).
+    """
+    from .probe_unit import probe_code_version, probe_unit_done, probe_unit_fingerprint
+
+    probe_code = os.environ.get(CODE_VERSION_ENV, "").strip() or probe_code_version()
+    params = job.probe.to_dict()
+    probe_views = list(job.probe_views) or list(views)
+    missing = [v for v in probe_views if v not in cache.views()]
+    if missing:
+        raise ValueError(f"{job.path or '<job>'}: probe view(s) {', '.join(missing)} not in cache {job.cache}")
+    for view in probe_views:
+        for enc in encoders:
+            try:
+                spec = cache.view_spec(view)
+                fp = probe_unit_fingerprint(cache, enc, view, job.probe, code_version=probe_code)
+                inputs = {"embeddings": cache.embedding_fingerprint(enc, spec.tileset),
+                          "view": cache.view_fingerprint(view)}
+            except (ValueError, OSError, KeyError) as exc:
+                err = f"{type(exc).__name__}: {exc}"
+                ident = {"encoder": enc, "view": view, "tileset": "?", "design": "probe", "family": "probe",
+                         "metric": "probe", "params": params}
+                invalid.append(InvalidUnit(unit=ident, fingerprint=_fingerprint(
+                    {"kind": "cachescore.invalid-unit/1", **ident, "error": err, "code": code}), error=err))
+                continue
+            unit = WorkUnit(encoder=enc, view=view, tileset=spec.tileset, design="probe", metric="probe",
+                            confounder_column=spec.confounder_column, params=params, cache_root=str(job.cache),
+                            store_root=str(job.store), inputs=inputs, code_version=probe_code, fingerprint=fp)
+            (done if probe_unit_done(store, fp, job.probe) else pending).append(unit)
 
 
 def _json_default(o):

@@ -38,7 +38,12 @@ def unit_status(job, *, cache=None, store=None) -> list[dict]:
         pj = params_json(u.params)
         row = {"encoder": u.encoder, "view": u.view, "design": u.design, "metric": u.metric, "params": pj,
                "fingerprint": u.fingerprint, "value": None, "detail": ""}
-        if u.fingerprint in by_fp:
+        if u.metric == "probe":
+            done = u in plan.done
+            row.update(state="done" if done else ("failed" if u.fingerprint in failed else "missing"))
+            if not done and u.fingerprint in failed:
+                row["detail"] = str(failed[u.fingerprint].get("error", "")).splitlines()[0][:120]
+        elif u.fingerprint in by_fp:
             row.update(state="done", value=by_fp[u.fingerprint].get("value"))
         elif u.fingerprint in failed:
             row.update(state="failed", detail=str(failed[u.fingerprint].get("error", "")).splitlines()[0][:120])

@@ -203,6 +203,9 @@ def run_unit(unit, unit_fn=None, load_fn=None, run_id: str | None = None) -> dic
     Data errors are recorded in the store and returned as ``failed``; other exceptions propagate
     (Dask retries them). ``unit_fn`` (default :func:`score_unit`) and ``load_fn`` (default
     :func:`load_unit_inputs`) are injectable for tests; ``run_id`` is stored with the record.
+    Warnings raised while scoring are stored in the record (``warnings``); capturing them is
+    process-wide, so workers should run one thread each (what :func:`~.cluster.open_client`
+    starts, and what ``deploy/README.md`` asks of deployed workers).
     """
     from ..store import ResultsStore
 
