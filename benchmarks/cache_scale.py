@@ -138,6 +138,8 @@ def main(argv=None) -> int:
     p.add_argument("--chunk-rows", type=int, default=32768, help="rows per synthesis chunk")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", default=None, help="where the .npy goes (default: a temp dir)")
+    p.add_argument("--n-jobs", type=int, default=1, help="numba threads for pynndescent")
+    p.add_argument("--proxy-dim", type=int, default=None, help="ANN graph on a projection (see ann.project_rows)")
     p.add_argument("--skip-typed", action="store_true", help="only the cross-group search")
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
     a = p.parse_args(argv)
@@ -191,7 +193,7 @@ def main(argv=None) -> int:
     with phase("ann cross_group_knn", results) as e:
         r = ann.cross_group_knn_ann_with_recall(
             u, groups, a.kmax, recall_target=a.recall_target, random_state=a.seed,
-            n_recall_queries=a.recall_queries,
+            n_recall_queries=a.recall_queries, n_jobs=a.n_jobs, proxy_dim=a.proxy_dim,
         )
         e.update(recall=round(r.recall, 5), rounds=r.rounds, width=r.candidate_width, exact_path=r.exact)
         del r
@@ -199,7 +201,7 @@ def main(argv=None) -> int:
         with phase("ann typed_knn", results) as e:
             t = ann.typed_knn_ann_with_recall(
                 u, labels, conf, groups, a.m, recall_target=a.recall_target, random_state=a.seed,
-                n_recall_queries=a.recall_queries,
+                n_recall_queries=a.recall_queries, n_jobs=a.n_jobs, proxy_dim=a.proxy_dim,
             )
             e.update(recall=round(t.recall, 5), rounds=t.rounds, graph_cells=t.n_cells - t.exact_cells,
                      brute_cells=t.exact_cells)

@@ -39,6 +39,7 @@ from cachescore.pipeline.probe_unit import (
     probe_record_keys,
     probe_unit_done,
     probe_unit_fingerprint,
+    run_probe_and_store,
     run_probe_unit,
     select_probe_rows,
     write_probe_records,
@@ -383,3 +384,20 @@ def test_unit_errors_before_fitting(cache, tmp_path, monkeypatch):
         run_probe_unit(cache.root, "enc", "v", {**RAW, "id_filter": {"column": "subsett", "value": "ID"}},
                        bundle_root=tmp_path)
     assert spy.calls == 0 and not any(tmp_path.rglob("manifest.json"))
+
+
+def test_run_and_store_skips_done_units_and_records_failures(cache, params, unit, tmp_path, monkeypatch):
+    _, _, bundles = unit  # the bundle exists already: the first call reuses it
+    store = ResultsStore(tmp_path / "store")
+    spy = FitSpy(monkeypatch)
+    first = run_probe_and_store(cache.root, store, "enc", "v", params, bundle_root=bundles, run_id="r1")
+    assert first["status"] == "done" and probe_unit_done(store, first["fingerprint"], params)
+    second = run_probe_and_store(cache.root, store, "enc", "v", params, bundle_root=bundles)
+    assert second["status"] == "skipped" and spy.calls == 0
+
+    bad = {**RAW, "class_order": ["normal"]}
+    failed = run_probe_and_store(cache.root, store, "enc", "v", bad, bundle_root=bundles, run_id="r1")
+    assert failed["status"] == "failed" and "ProbeParamsError" in failed["error"] and spy.calls == 0
+    failures = store.failures()
+    assert sorted(failures["fingerprint"]) == sorted(failed["records"])
+    assert set(failures["metric"]) == {"apd", "nipd"} and "not in the class_order" in failures["error"].iloc[0]

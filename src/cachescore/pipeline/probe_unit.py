@@ -13,7 +13,10 @@ Three layers, each usable alone:
   cache, run :func:`cachescore.probe.evaluate.evaluate_sweep` (``client`` fans replicates out),
   write the evaluation bundle atomically at ``<bundle_root>/<encoder>/<view>/<fingerprint>`` and
   return one results-store record per (matrix, reduction) -- ``apd`` and ``nipd`` of the
-  in-domain matrix and of every test set.
+  in-domain matrix and of every test set;
+* :func:`run_probe_and_store` -- what the pipeline calls per (encoder, view): skip a unit whose
+  records are all in the results store, else run it and write its records, or record its data
+  error as the failure of each of its record fingerprints.
 
 Fingerprints (:func:`probe_unit_fingerprint`) are the sha256 of canonical JSON over the input
 fingerprints (embeddings of (encoder, tileset), the view), the normalised parameters and the
@@ -52,6 +55,7 @@ __all__ = [
     "probe_record_keys",
     "probe_unit_done",
     "probe_unit_fingerprint",
+    "run_probe_and_store",
     "run_probe_unit",
     "select_probe_rows",
     "write_probe_records",
@@ -850,3 +854,42 @@ def write_probe_records(store, records: Sequence[dict], *, run_id: str | None = 
         store.write_unit(rec["fingerprint"], record=rec)
         out.append(rec["fingerprint"])
     return out
+
+
+def run_probe_and_store(cache_root, store, encoder: str, view: str, params: ProbeParams | Mapping, *,
+                        bundle_root, client=None, run_id: str | None = None, force: bool = False) -> dict:
+    """The pipeline's entry point for one probe unit: skip, run and store, or record the failure.
+
+    ``store`` is a :class:`~cachescore.store.ResultsStore` (or its folder). When every record of
+    the unit is already stored (:func:`probe_unit_done`) and not ``force``, nothing runs. A data
+    error (``ValueError``, ``LookupError``, ``FileNotFoundError``, ``RuntimeError``, ... as
+    :data:`cachescore.pipeline.unit.DATA_ERRORS`: bad params or view, leakage, a cell too small
+    for the schedule, corrupt embeddings) is recorded as the failure of every record
+    fingerprint of the unit (so a later success supersedes it) and returned, not raised.
+
+    Returns ``{"fingerprint", "label", "status": "done" | "skipped" | "failed", "seconds",
+    "records": [record fingerprints], "bundle": path or None, "error"?}``.
+    """
+    from ..store import ResultsStore
+    from .unit import DATA_ERRORS
+
+    t0 = time.perf_counter()
+    store = store if isinstance(store, ResultsStore) else ResultsStore(store)
+    params = ProbeParams.coerce(params)
+    unit_fp = probe_unit_fingerprint(cache_root, encoder, view, params)
+    record_fps = [probe_record_fingerprint(unit_fp, m, r) for m, r in probe_record_keys(params)]
+    label = f"{encoder}/{view}/probe"
+    status = {"fingerprint": unit_fp, "label": label, "records": record_fps, "bundle": None}
+    if not force and probe_unit_done(store, unit_fp, params):
+        return {**status, "status": "skipped", "seconds": time.perf_counter() - t0}
+    try:
+        records, path = run_probe_unit(cache_root, encoder, view, params, bundle_root=bundle_root, client=client)
+    except DATA_ERRORS as exc:
+        err = f"{type(exc).__name__}: {exc}"
+        for (matrix, metric), fp in zip(probe_record_keys(params), record_fps):
+            store.record_failure(fp, unit={"encoder": encoder, "view": view, "scope": matrix, "design": "probe",
+                                           "family": "probe", "metric": metric, "params": params.to_dict(),
+                                           "unit_fingerprint": unit_fp, "run_id": run_id}, error=err)
+        return {**status, "status": "failed", "error": err, "seconds": time.perf_counter() - t0}
+    write_probe_records(store, records, run_id=run_id)
+    return {**status, "status": "done", "bundle": str(path), "seconds": time.perf_counter() - t0}
