@@ -197,8 +197,8 @@ def test_small_scope_is_exact_and_keeps_contract(dtype):
     check_contract(u, groups, r.idx, r.dist, 40)
     ref_i, ref_d = reference_knn(u, groups, 40)
     assert_same_neighbours(r.idx, r.dist, ref_i, ref_d, ann.distance_tol(dtype, u.shape[1]))
-    idx, dist = ann.cross_group_knn_ann(u, groups, 40, random_state=0)
-    np.testing.assert_array_equal(idx, r.idx)
+    idx, dist = ann.cross_group_knn_ann(u, groups, 40, random_state=0, block_rows=128, block_cols=300)
+    np.testing.assert_array_equal(idx, r.idx)  # tile edges do not change the answer
 
 
 def test_padding_when_fewer_eligible_rows_than_kmax():

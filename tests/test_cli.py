@@ -3,7 +3,8 @@
 Pins: ``run`` on the shipped demo job synthesises the cache, scores RI/MaRI/CRoMa on both views on
 a LocalCluster and ranks the encoders in the order the demo cache was built with (its
 ``cache.json``); a second ``run`` executes nothing; ``status`` reports missing / done / failed /
-stale; a unit failure gives exit code 1 and a failure table, a job-level error exit code 2;
+stale (naming what changed) and, with ``--verify``, the cache's problems; ``watch`` scores exactly
+the units of a new encoder written into a scored cache and names why units are pending; a unit failure gives exit code 1 and a failure table, a job-level error exit code 2;
 ``import`` builds a cache from a ``.npy`` and a manifest; ``schema`` lists the keys.
 """
 
@@ -54,6 +55,7 @@ def test_job_errors_exit_2(tmp_path, capsys):
     assert "cache folder not found" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # ~30 s: the whole shipped demo (28 units incl. 4 probe sweeps) on a LocalCluster
 def test_demo_job_ranks_encoders_as_constructed(tmp_path, capsys):
     (tmp_path / "jobs").mkdir()
     job_path = tmp_path / "jobs" / "demo.toml"
@@ -61,7 +63,8 @@ def test_demo_job_ranks_encoders_as_constructed(tmp_path, capsys):
     assert main(["run", str(job_path)]) == 0
     cap = capsys.readouterr()
     assert re.search(r"dashboard: http://127\.0\.0\.1:\d+/status", cap.err)
-    assert "executed 24" in cap.out and "failed 0" in cap.out
+    assert "executed 28" in cap.out and "failed 0" in cap.out  # 4 encoders x (2 views x 3 families + 1 probe)
+    assert "apd[in_domain]" in cap.out and "nipd[centre_C]" in cap.out  # probe records in the leaderboard
     job = load_job(job_path)
     report = re.search(r"performance report: (\S+)", cap.out).group(1)
     assert Path(report).is_file() and Path(report).parent.parent == job.store / "runs"
@@ -75,16 +78,25 @@ def test_demo_job_ranks_encoders_as_constructed(tmp_path, capsys):
     ranking = json.loads((job.cache / "cache.json").read_text())["intended_confounder_ranking"]
     assert ranking == ["enc0", "enc1", "enc2", "enc3"]
     scores = ResultsStore(job.store).scores()
-    assert len(scores) == 24
+    assert len(scores) == 24 + 4 * 2 * 2  # + per encoder: (in_domain, centre_C) x (apd, nipd)
+    probe = scores[scores["design"] == "probe"]
+    assert sorted(set(probe["scope"])) == ["centre_C", "in_domain"] and probe["value"].notna().all()
+    assert (job.bundles / "enc0" / "centre_all").is_dir()
+    scores = scores[scores["design"] != "probe"]  # the construction orders RI/MaRI/CRoMa, not the probe
     for (view, metric), part in scores.groupby(["view", "metric"]):
         by_value = part.sort_values("value", ascending=False)["encoder"].tolist()
         assert by_value == ranking, (view, metric, part[["encoder", "value"]].to_dict("records"))
 
     assert main(["run", str(job_path), "-q"]) == 0
-    assert "executed 0, skipped 24" in capsys.readouterr().out
+    assert "executed 0, skipped 28" in capsys.readouterr().out
     assert main(["status", str(job_path)]) == 0
     out = capsys.readouterr().out
-    assert out.strip().endswith("24 done")
+    assert out.strip().endswith("40 done")  # probe units are listed per record
+    assert sum(line.startswith("enc2 ") and " probe " in line and " done " in line for line in out.splitlines()) == 4
+    assert main(["report", str(job_path)]) == 0
+    html_text = (job.store / "report.html").read_text(encoding="utf-8")
+    assert "APD · view centre_all · design probe · matrix centre_C" in html_text
+    assert "nIPD · view centre_all · design probe · matrix in_domain" in html_text
 
 
 def test_status_failures_and_stale(tmp_path, capsys):
@@ -94,8 +106,10 @@ def test_status_failures_and_stale(tmp_path, capsys):
         'schema_version = 1\n[job]\ncache = "cache"\nstore = "store"\nviews = ["centre_all"]\n'
         '[metrics]\nfamilies = ["ri", "croma"]\n[execution]\nn_workers = 1\nretries = 0\ndashboard = false\n'
         "performance_report = false\n", encoding="utf-8")
-    assert main(["status", str(job_path)]) == 0
-    assert capsys.readouterr().out.strip().endswith("4 missing")
+    assert main(["status", str(job_path), "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "4 missing" in out and "healthy" in out
+    assert sum("new encoder" in line for line in out.splitlines()) == 4
 
     shard = sorted((cache_root / "embeddings" / "enc1" / "demo").glob("*.npy"))[0]
     data = bytearray(shard.read_bytes())
@@ -110,6 +124,13 @@ def test_status_failures_and_stale(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.strip().endswith("2 done, 2 failed")
     assert all("enc1" in line for line in out.splitlines() if " failed " in line and "ShardError" in line)
+    assert sum(" failed " in line and "ShardError" in line for line in out.splitlines()) == 2
+    # --verify adds the cache health check: the damaged shard is named, exit code 1
+    assert main(["status", str(job_path), "--verify"]) == 1
+    out = capsys.readouterr().out
+    problems = out.split("problem(s)", 1)[1].splitlines()
+    assert any(line.startswith(("checksum", "non_finite")) and "enc1" in line for line in problems)
+    assert not any("enc0" in line for line in problems)
 
     assert main(["report", str(job_path), "--out", str(tmp_path / "r.html")]) == 0
     assert "report: " in capsys.readouterr().out
@@ -121,7 +142,7 @@ def test_status_failures_and_stale(tmp_path, capsys):
     write_embeddings(cache_root, "enc0", "demo", (x[::-1] * 2).copy(), overwrite=True)
     assert main(["status", str(job_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert sum(" stale " in line and line.startswith("enc0") for line in lines) == 2
+    assert sum(" stale " in line and line.startswith("enc0") and "embeddings changed" in line for line in lines) == 2
 
 
 def test_import_command(tmp_path, capsys):
@@ -148,3 +169,52 @@ def test_usage_errors(argv, capsys):
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code == 2
+
+
+def test_watch_scores_exactly_the_new_encoder(tmp_path, capsys):
+    """A new encoder written into a scored cache: one ``watch`` poll finds exactly its units
+    (reason "new encoder"), runs them and nothing else; the next poll is up to date. A rewritten
+    shard, a changed view and changed parameters are named as such by the poll."""
+    from cachescore.cache import write_view
+    from cachescore.pipeline import plan_job, poll_job
+
+    cache_root = make_demo_cache(tmp_path / "cache", n_slides_per_cell=2, tiles_per_slide=4, dim=8, encoders=2)
+    job_path = tmp_path / "job.toml"
+    job_path.write_text(
+        'schema_version = 1\n[job]\ncache = "cache"\nstore = "store"\nviews = ["centre_all"]\n'
+        '[metrics]\nfamilies = ["ri", "croma"]\n[execution]\nn_workers = 1\nretries = 0\ndashboard = false\n'
+        "performance_report = false\n", encoding="utf-8")
+    assert main(["run", str(job_path), "-q"]) == 0
+    capsys.readouterr()
+    job = load_job(job_path)
+    before = ResultsStore(job.store).fingerprints()
+    assert len(before) == 4
+
+    x = Cache(cache_root).load_rows("enc0", "demo")
+    write_embeddings(cache_root, "enc9", "demo", (x * 3.0 + 1.0).astype(np.float32))
+    assert main(["watch", str(job_path), "--interval", "0", "--max-runs", "2", "-q"]) == 0
+    cap = capsys.readouterr()
+    assert "poll 1: 2 unit(s) to score (2 new encoder)" in cap.err
+    assert "new encoder: enc9/centre_all/all/ri" in cap.err and "poll 2: up to date" in cap.err
+    assert "2 poll(s), 1 run(s), executed 2, failed 0" in cap.out
+    store = ResultsStore(job.store)
+    new_fps = {u.fingerprint for u in plan_job(job, store=store).units if u.encoder == "enc9"}
+    assert len(new_fps) == 2 and store.fingerprints() == before | new_fps
+    (run_id,) = [r for r in store.runs() if store.read_provenance(r)["units"]["executed"] == 2]
+    assert set(store.read_provenance(run_id)["executed_fingerprints"]) == new_fps
+
+    # what a poll reports for a changed shard, a changed view and changed params (nothing is run)
+    write_embeddings(cache_root, "enc0", "demo", (x[::-1] * 2).copy(), overwrite=True)
+    frame = Cache(cache_root).read_view("centre_all")
+    write_view(cache_root, "centre_all", frame.drop(columns=["row"]).iloc[::-1], tileset="demo",
+               confounder_column=Cache(cache_root).view_spec("centre_all").confounder_column,
+               design=Cache(cache_root).view_spec("centre_all").design, overwrite=True)
+    new, known = poll_job(load_job(job_path))
+    reasons = {r["label"]: r["reason"] for r in new}
+    assert not known and len(reasons) == 6
+    assert reasons["enc0/centre_all/all/ri"] == "embeddings changed, view changed"
+    assert reasons["enc1/centre_all/all/croma[m=5]"] == "view changed"
+    job_path.write_text(job_path.read_text().replace('families = ["ri", "croma"]',
+                                                     'families = ["ri", "croma"]\n[metrics.ri]\nk_candidates = [3, 5]'))
+    new, _ = poll_job(load_job(job_path))
+    assert {r["label"]: r["reason"] for r in new}["enc1/centre_all/all/ri"] == "params changed"

@@ -332,7 +332,8 @@ def test_score_unit_matches_croma(tmp_path, demo_cache):
             np.testing.assert_allclose(record["f0"], ref.f0, rtol=0, atol=0)
         else:
             assert record["k"] == ref.k
-            assert record["support_fraction"] == ref.support
+            assert record["support"] == ref.support and isinstance(record["support"], float)
+            assert record["n_defined"] == int(np.asarray(ref.occurrence_defined_mask).sum())
             if unit.metric == "ri":
                 assert record["value"] == ref.value
             else:
@@ -456,8 +457,67 @@ def test_probe_units_run_once_and_record_failures(tmp_path):
         assert len(row) == 1 and row["value"].iloc[0] == pytest.approx(rec["value"], rel=0, abs=0, nan_ok=True)
     assert (job.bundles / "encB" / "v").is_dir()
 
-    states = {(r["encoder"], r["view"], r["metric"]): r["state"] for r in unit_status(job)}
-    assert states[("encA", "v", "probe")] == "done" and states[("encA", "short", "probe")] == "failed"
+    status = [r for r in unit_status(job) if r["design"] == "probe"]
+    assert len(status) == 2 * 2 * 2 * 2  # encoders x probe views x matrices x (apd, nipd): one row per record
+    by_unit: dict = {}
+    for r in status:
+        by_unit.setdefault((r["encoder"], r["view"]), set()).add(r["state"])
+    assert by_unit[("encA", "v")] == {"done"} and by_unit[("encA", "short")] == {"failed"}
+    shown = {(r["encoder"], r["scope"], r["metric"]): r["value"] for r in status if r["view"] == "v"}
+    for rec in records:  # encB's stored values show in the status
+        assert shown[("encB", rec["scope"], rec["metric"])] == pytest.approx(rec["value"], rel=0, abs=0, nan_ok=True)
+    assert all("rows_per_slide" in r["detail"] for r in status if r["view"] == "short")
     second = run(job)
     assert second.executed == 2 and second.skipped == 4  # only the two unfit units are retried
 
+
+
+PROBE_STARTED = threading.Event()
+METRIC_DURING_PROBE = threading.Event()
+
+
+def probe_waiting_for_metrics(*args, **kwargs):
+    """The real sweep, but only once a metric unit has run while this probe unit is in flight
+    (waits at most 30 s, so a sequential executor fails the test instead of hanging)."""
+    from cachescore.pipeline.probe_unit import run_probe_unit
+
+    PROBE_STARTED.set()
+    METRIC_DURING_PROBE.wait(timeout=30)
+    return run_probe_unit(*args, **kwargs)
+
+
+def score_noting_probe(unit, features, manifest):
+    if PROBE_STARTED.is_set():
+        METRIC_DURING_PROBE.set()
+    return fake_score(unit, features, manifest)
+
+
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
+def test_probe_units_run_concurrently_with_metric_units(tmp_path):
+    """Probe-sweep units are tasks in the same as_completed loop as metric units (submitted first,
+    seceding from the worker's pool): with ONE single-threaded worker, a metric unit still runs
+    while the probe unit is in flight, and the sweep's own replicate tasks run too. The probe's
+    records equal a direct run_probe_unit call; retries/skip semantics are those of metric units."""
+    from cachescore.pipeline.probe_unit import run_probe_unit
+
+    PROBE_STARTED.clear()
+    METRIC_DURING_PROBE.clear()
+    root = _probe_cache(tmp_path / "cache")
+    job = parse_job({"schema_version": 1,
+                     "job": {"cache": str(root), "store": str(tmp_path / "store"), "views": ["v"],
+                             "encoders": ["encA"]},
+                     "metrics": {"families": ["ri", "mari"]}, "probe": PROBE,
+                     "execution": {"n_workers": 1, "retries": 0, "dashboard": False, "performance_report": False}},
+                    path=tmp_path / "job.toml")
+    summary = run(job, unit_fn=score_noting_probe, probe_fn=probe_waiting_for_metrics)
+    assert summary.executed == 3 and summary.succeeded == 3 and not summary.failures
+    assert METRIC_DURING_PROBE.is_set(), "no metric unit ran while the probe unit was in flight"
+    scores = ResultsStore(job.store).scores()
+    probe = scores[scores["family"] == "probe"]
+    records, _ = run_probe_unit(root, "encA", "v", job.probe, bundle_root=tmp_path / "direct",
+                                code_version="test-pinned")
+    assert sorted(probe["fingerprint"]) == sorted(r["fingerprint"] for r in records)
+    for rec in records:
+        row = probe[probe["fingerprint"] == rec["fingerprint"]]
+        assert row["value"].iloc[0] == pytest.approx(rec["value"], rel=0, abs=0, nan_ok=True)
+    assert run(job).executed == 0  # skip semantics: everything is in the store

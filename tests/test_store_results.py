@@ -30,7 +30,7 @@ def fp_of(i) -> str:
 
 RECORD = {"encoder": "enc0", "view": "centre_all", "tileset": "demo", "scope": "dataset", "design": "all",
           "family": "ri", "metric": "RI", "params": {"k_candidates": [5, 11, 21]}, "value": np.float64(0.75),
-          "std": np.float32(0.125), "q_alpha": 0.5, "ltm_alpha": 0.25, "f0": 0.0, "support": np.int64(216),
+          "std": np.float32(0.125), "q_alpha": 0.5, "ltm_alpha": 0.25, "f0": 0.0, "support": np.float32(0.75),
           "k": 11, "tau": None, "m": 5, "recall": 1.0, "n_units": 216, "n_defined": 213, "unit": "sample",
           "backend": "exact", "run_id": "r1", "code_version": "0.1.0", "seconds": 1.5,
           "finished_at": "2026-01-02T03:04:05+00:00", "warnings": "", "seconds_load": 0.25}
@@ -52,17 +52,18 @@ def test_round_trip_and_schema(tmp_path):
     row = scores.iloc[0]
     assert row["fingerprint"] == fp and row["encoder"] == "enc0" and row["metric"] == "RI"
     assert json.loads(row["params"]) == {"k_candidates": [5, 11, 21]} and row["params"] == '{"k_candidates":[5,11,21]}'
-    assert row["value"] == 0.75 and row["std"] == 0.125 and row["support"] == 216 and row["k"] == 11
+    assert row["value"] == 0.75 and row["std"] == 0.125 and row["support"] == 0.75 and row["k"] == 11
     assert pd.isna(row["tau"]) and row["n_defined"] == 213 and row["seconds"] == 1.5
     assert row["finished_at"] == pd.Timestamp("2026-01-02T03:04:05", tz="UTC")
     assert json.loads(row["extra"]) == {"warnings": "", "seconds_load": 0.25}
-    assert scores["support"].dtype == pd.Int64Dtype() and scores["value"].dtype == np.float64
+    assert scores["support"].dtype == np.float64 and scores["n_defined"].dtype == pd.Int64Dtype()
+    assert scores["value"].dtype == np.float64
     # the frame converts back to the explicit schema, and the arrow view carries it exactly
     assert pa.Table.from_pandas(scores, schema=SCORES_SCHEMA, preserve_index=False).schema == SCORES_SCHEMA
     table = store.scores_table()
     assert table.schema == SCORES_SCHEMA and table.num_rows == 1
     pd.testing.assert_frame_equal(store.per_unit(fp), per_unit)
-    assert store.record(fp)["support"] == 216
+    assert store.record(fp)["support"] == 0.75
     # a unit without per-unit values
     store.write_unit(fp_of(2), record={"encoder": "enc1", "metric": "MaRI", "value": float("nan")})
     assert store.per_unit(fp_of(2)).empty
@@ -243,3 +244,25 @@ def test_provenance_and_run_dir(tmp_path):
     assert store.runs() == ["r1"]
     (run / "performance-report.html").write_text("<html/>")
     ResultsStore(tmp_path / "s")  # a store with runs and units reopens fine
+
+
+def test_record_version_bump_recomputes_and_support_is_a_fraction(tmp_path):
+    """Records of another envelope version (version 1 stored ``support`` as a count) are ignored,
+    so their units are recomputed, never converted; the store folder itself stays usable. A
+    record whose ``support`` is not a fraction in [0, 1] is refused before publishing."""
+    from cachescore.store.schema import RECORD_VERSION
+
+    assert RECORD_VERSION == 2
+    store = ResultsStore(tmp_path / "s")
+    fp = fp_of(7)
+    store.write_unit(fp, record=RECORD)
+    path = tmp_path / "s" / "units" / fp[:2] / f"{fp}.json"
+    env = json.loads(path.read_text())
+    path.write_text(json.dumps({**env, "version": 1, "record": {**env["record"], "support": 216}}))
+    store = ResultsStore(tmp_path / "s")  # the store folder (layout version 1) is still accepted
+    assert not store.has(fp) and store.scores().empty
+    store.write_unit(fp, record=RECORD)
+    assert store.has(fp) and store.scores()["support"].tolist() == [0.75]
+    with pytest.raises(ValueError, match="support must be a fraction"):
+        store.write_unit(fp_of(8), record={**RECORD, "support": 216})
+    assert not store.has(fp_of(8))

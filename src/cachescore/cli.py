@@ -1,4 +1,4 @@
-"""Command line: ``cachescore run | status | report | import | demo | schema``.
+"""Command line: ``cachescore run | rescore | watch | status | report | import | demo | schema``.
 
 Commands are thin: parse, call the library, format, return an exit code.
 
@@ -6,8 +6,13 @@ Commands are thin: parse, call the library, format, return an exit code.
   (:func:`cachescore.pipeline.run_job`). Exit 0 when every unit is scored, 1 when any unit
   failed (a table of failures is printed), 2 for a job-level error (bad job file, missing cache,
   unreachable scheduler).
-* ``cachescore status JOB`` – per unit: ``done``, ``failed``, ``stale`` (a result exists for the
-  same encoder/view/design/metric/params but older inputs or code) or ``missing``.
+* ``cachescore status JOB [--verify]`` – per unit (probe units: per APD/nIPD record): ``done``,
+  ``failed`` (with its error), ``stale`` (a result exists for the same encoder/view/design/metric/
+  params but older inputs or code; what changed is named) or ``missing`` (why it is new).
+  ``--verify`` adds the cache health check (:meth:`cachescore.cache.Cache.verify`); exit 1 when it
+  finds problems.
+* ``cachescore watch JOB [--interval S] [--max-runs N]`` – poll the cache and run the job whenever
+  there is new work (:func:`cachescore.pipeline.watch.watch_job`); exit 1 if a unit failed.
 * ``cachescore report JOB [--out HTML]`` – the static HTML report of the job's store
   (:func:`cachescore.report.build_report`).
 * ``cachescore import …`` – build a cache from ``.npy`` files (:func:`cachescore.cache.import_cache`).
@@ -28,7 +33,8 @@ __all__ = ["main", "build_parser", "format_table", "DEMO_JOB"]
 DEMO_JOB = """\
 # Self-contained demo: synthesises a small cache (4 encoders whose confounder strength grows
 # by construction, enc0 weakest ... enc3 strongest) on first use, then scores RI, MaRI and CRoMa
-# on both views on a LocalCluster. Run: cachescore run jobs/demo.toml
+# on both views and a PathoROB probe sweep (APD, nIPD) on centre_all, on a LocalCluster.
+# Run: cachescore run jobs/demo.toml
 schema_version = 1
 
 [job]
@@ -38,6 +44,7 @@ store = "../results/demo"
 encoders = []                # all: enc0 .. enc3
 views = ["centre_all", "centre_paired"]
 design = "auto"              # centre_all -> all, centre_paired -> paired_2x2 (the views' hints)
+probe_views = ["centre_all"] # the probe sweep's view ([probe] below)
 
 [demo]
 synthesise = true
@@ -64,6 +71,23 @@ alpha = 0.10
 [neighbors]
 backend = "exact"
 
+[probe]                      # train on centres A, B; centre C is an unseen-confounder test set
+rows_per_slide = 12          # = tiles_per_slide
+iterations = 5
+id_filter = { column = "centre", values = ["A", "B"] }
+
+[probe.test_sets.centre_C]
+column = "centre"
+value = "C"
+
+[[probe.schedule]]           # balanced split: one slide of every (centre, class) cell
+split_map = [[0, 0, 12], [0, 1, 12], [1, 0, 12], [1, 1, 12]]
+max_train_slides = 1
+
+[[probe.schedule]]           # confounded split: class 0 only from centre A, class 1 only from B
+split_map = [[0, 0, 12], [1, 1, 12]]
+max_train_slides = 1
+
 [execution]
 n_workers = 2
 retries = 1
@@ -87,13 +111,6 @@ def format_table(rows: list[dict], columns: list[str]) -> str:
     return "\n".join(out)
 
 
-def _fraction(count, total):
-    try:
-        return float(count) / float(total) if total else None
-    except (TypeError, ValueError):
-        return None
-
-
 def _leaderboard(store, fingerprints: set[str]) -> str:
     scores = store.scores()
     if scores is None or len(scores) == 0:
@@ -101,17 +118,32 @@ def _leaderboard(store, fingerprints: set[str]) -> str:
     scores = scores[scores["fingerprint"].isin(fingerprints)]
     if len(scores) == 0:
         return ""
-    scores = scores.sort_values(["view", "metric", "m", "value"], ascending=[True, True, True, False],
+    scores = scores.sort_values(["view", "metric", "scope", "m", "value"], ascending=[True, True, True, True, False],
                                 na_position="last")
     rows = []
     for r in scores.to_dict("records"):
         metric = r["metric"] + (f"(m={int(r['m'])})" if r["metric"] == "croma" and r.get("m") == r.get("m")
                                 and r.get("m") is not None else "")
+        if r.get("design") == "probe":
+            metric = f"{r['metric']}[{r.get('scope')}]"
         rows.append({"view": r["view"], "design": r["design"], "metric": metric, "encoder": r["encoder"],
-                     "value": r.get("value"), "k": r.get("k"), "support": _fraction(r.get("support"), r.get("n_units")),
+                     "value": r.get("value"), "k": r.get("k"), "support": r.get("support"),
                      "tau": r.get("tau"), "f0": r.get("f0"), "ltm_alpha": r.get("ltm_alpha")})
     return format_table(rows, ["view", "design", "metric", "encoder", "value", "k", "support", "tau", "f0",
                                "ltm_alpha"])
+
+
+def _record_fingerprints(plan) -> set[str]:
+    """Store keys of every record of the plan's units (a probe unit has one per matrix × reduction)."""
+    from .pipeline.probe_unit import probe_record_fingerprint, probe_record_keys
+
+    out = set()
+    for u in plan.units:
+        if u.metric == "probe":
+            out.update(probe_record_fingerprint(u.fingerprint, m, r) for m, r in probe_record_keys(u.params))
+        else:
+            out.add(u.fingerprint)
+    return out
 
 
 def _cmd_run(args) -> int:
@@ -130,7 +162,7 @@ def _cmd_run(args) -> int:
     from .pipeline import plan_job
 
     store = ResultsStore(job.store)
-    board = _leaderboard(store, {u.fingerprint for u in plan_job(job, store=store).units})
+    board = _leaderboard(store, _record_fingerprints(plan_job(job, store=store)))
     if board and not args.quiet:
         print(board)
     if summary.failures:
@@ -138,6 +170,11 @@ def _cmd_run(args) -> int:
         print(format_table(summary.failures, ["label", "error"]), file=sys.stderr)
         return 1
     return 0
+
+
+def _short(text, width: int = 48) -> str:
+    text = "" if text is None else str(text)
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def _cmd_status(args) -> int:
@@ -149,12 +186,37 @@ def _cmd_status(args) -> int:
         print(f"cache not found: {job.cache} (run: cachescore run {args.job})", file=sys.stderr)
         return 2
     rows = unit_status(job)
-    print(format_table(rows, ["encoder", "view", "design", "metric", "params", "state", "value", "detail"]))
+    shown = [dict(r, params=_short(r["params"]), scope=r.get("scope") or "") for r in rows]
+    print(format_table(shown, ["encoder", "view", "design", "metric", "scope", "params", "state", "value", "detail"]))
     counts: dict[str, int] = {}
     for r in rows:
         counts[r["state"]] = counts.get(r["state"], 0) + 1
     print(", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
-    return 0
+    if not args.verify:
+        return 0
+    from .cache import Cache
+
+    problems = Cache(job.cache).verify()
+    if not problems:
+        print(f"cache {job.cache}: healthy (verify found no problem)")
+        return 0
+    print(f"\ncache {job.cache}: {len(problems)} problem(s)")
+    print(format_table([{"kind": p.kind, "encoder": p.encoder, "tileset": p.tileset, "view": p.view,
+                         "message": _short(p.message, 160)} for p in problems],
+                       ["kind", "encoder", "tileset", "view", "message"]))
+    return 1
+
+
+def _cmd_watch(args) -> int:
+    from .pipeline.watch import watch_job
+
+    polls = watch_job(args.job, interval=args.interval, max_runs=args.max_runs, scheduler=args.scheduler,
+                      out=sys.stderr, progress=not args.quiet)
+    failed = sum(len(p.summary.failures) for p in polls if p.summary is not None)
+    runs = [p for p in polls if p.summary is not None]
+    print(f"watch: {len(polls)} poll(s), {len(runs)} run(s), executed "
+          f"{sum(p.summary.executed for p in runs)}, failed {failed}")
+    return 1 if failed else 0
 
 
 def _cmd_import(args) -> int:
@@ -236,7 +298,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("status", help="what is scored, stale, missing or failed")
     s.add_argument("job")
+    s.add_argument("--verify", action="store_true",
+                   help="also run the cache health check (checksums, alignment, NaN rows, views); exit 1 on problems")
     s.set_defaults(func=_cmd_status)
+
+    w = sub.add_parser("watch", help="poll the cache and re-score whenever there is new work "
+                                     "(new encoder, changed shard or view, changed params)")
+    w.add_argument("job")
+    w.add_argument("--interval", type=float, default=300.0, help="seconds between polls (default 300)")
+    w.add_argument("--max-runs", type=int, default=None, metavar="N",
+                   help="stop after N polls (each runs the job at most once); default: forever")
+    w.add_argument("--scheduler", default=None, help="address of a running Dask scheduler (default: LocalCluster)")
+    w.add_argument("-q", "--quiet", action="store_true", help="no per-unit progress (the poll lines still print)")
+    w.set_defaults(func=_cmd_watch)
 
     i = sub.add_parser("import", help="build a cache from .npy/.h5 files and a tile manifest")
     i.add_argument("cache", help="cache folder to create or extend")

@@ -41,7 +41,7 @@ __all__ = ["build_report"]
 #: Histogram bins per distribution panel.
 HIST_BINS = 24
 #: Display names of the metric families as stored in the ``metric`` column.
-METRIC_NAMES = {"ri": "RI", "mari": "MaRI", "croma": "CRoMa"}
+METRIC_NAMES = {"ri": "RI", "mari": "MaRI", "croma": "CRoMa", "apd": "APD", "nipd": "nIPD"}
 #: Leaderboard columns after rank/encoder/value, shown only when some record of the group has them:
 #: (column in the scores table, header).
 LEADERBOARD_COLUMNS = (
@@ -186,7 +186,9 @@ def _group_key(row) -> tuple:
     m = row["m"] if str(row["metric"]) == "croma" and not _missing(row["m"]) else None
     view, design, metric = ("" if _missing(row[c]) else str(row[c]) for c in ("view", "design", "metric"))
     order = list(METRIC_NAMES).index(metric) if metric in METRIC_NAMES else len(METRIC_NAMES)
-    return view, design, order, metric, -1 if m is None else int(m)
+    # probe records: one leaderboard per matrix (``scope``: in_domain or a test set)
+    scope = "" if design != "probe" or _missing(row.get("scope")) else str(row["scope"])
+    return view, design, order, metric, -1 if m is None else int(m), scope
 
 
 def _leaderboards(scores: pd.DataFrame) -> list[dict]:
@@ -217,9 +219,9 @@ def _leaderboards(scores: pd.DataFrame) -> list[dict]:
 
 
 def _group_title(key: tuple) -> str:
-    view, design, _, metric, m = key
+    view, design, _, metric, m, scope = key
     title = f"{_metric_name(metric or None)} · view {view or '?'} · design {design or '?'}"
-    return title + (f" · m={m}" if m >= 0 else "")
+    return title + (f" · m={m}" if m >= 0 else "") + (f" · matrix {scope}" if scope else "")
 
 
 # -- sections ----------------------------------------------------------------------------------

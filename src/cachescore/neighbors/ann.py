@@ -533,6 +533,8 @@ def cross_group_knn_ann_with_recall(
     n_expand=8,
     metric="cosine",
     proxy_dim=None,
+    block_rows=None,
+    block_cols=None,
 ) -> AnnKnnResult:
     """Cross-group kNN by pynndescent candidates + exact refinement, with its measured recall.
 
@@ -571,6 +573,9 @@ def cross_group_knn_ann_with_recall(
         views (isotropic noise, one random offset per slide) a 128-wide proxy of 768-wide rows
         gave a first-pass recall of 0.27, so it only suits embeddings with a fast-decaying
         spectrum.
+    block_rows, block_cols : int, optional
+        Accepted for signature compatibility with the exact engines: the edge of the brute-force
+        distance tiles (small scopes, the recall audit); results do not depend on them.
 
     Returns
     -------
@@ -598,6 +603,8 @@ def cross_group_knn_ann_with_recall(
     if metric not in ("cosine", "dot"):
         raise ValueError(f"metric must be 'cosine' or 'dot', got {metric!r}")
     seed = _seed(random_state)
+    given = [_check_positive_int(k, v) for k, v in (("block_rows", block_rows), ("block_cols", block_cols)) if v is not None]
+    brute_block = min(given) if given else BRUTE_BLOCK
     rows = np.arange(n, dtype=np.int64)
     if n <= 1:
         return AnnKnnResult(
@@ -613,13 +620,13 @@ def cross_group_knn_ann_with_recall(
         brute=width >= n, z=z,
     )
     if scope.brute:
-        idx, dist = _brute(u, groups, rows, rows, kmax)
+        idx, dist = _brute(u, groups, rows, rows, kmax, block=brute_block)
         return AnnKnnResult(
             idx=idx, dist=dist, recall=1.0, recall_target=target, n_recall_queries=0,
             rounds=0, candidate_width=n - 1, exact=True,
         )
     audit = _sample(n, n_recall_queries, seed)
-    _, true_d = _brute(u, groups, audit, rows, kmax)
+    _, true_d = _brute(u, groups, audit, rows, kmax, block=brute_block)
     tol = distance_tol(u.dtype, u.shape[1])
     kept, rounds, eps = None, 0, float(epsilon)
     while True:
@@ -667,6 +674,7 @@ def typed_knn_ann_with_recall(
     n_expand=4,
     metric="cosine",
     proxy_dim=None,
+    block_rows=None,
 ) -> AnnTypedResult:
     """Typed (SO / OS) neighbour distances by one pynndescent graph per target cell.
 
@@ -680,7 +688,8 @@ def typed_knn_ann_with_recall(
     ``TYPED_BRUTE_MAX_ROWS`` rows are searched by brute force (blocked GEMM, exact).
 
     Parameters are those of :func:`cross_group_knn_ann_with_recall`, with ``labels`` and
-    ``confounders`` integer codes of shape (n,) and ``m >= 1`` in place of ``kmax``.
+    ``confounders`` integer codes of shape (n,) and ``m >= 1`` in place of ``kmax``
+    (``block_rows`` is accepted for signature compatibility with ``typed_knn`` and ignored).
 
     Returns
     -------
@@ -706,6 +715,8 @@ def typed_knn_ann_with_recall(
     if metric not in ("cosine", "dot"):
         raise ValueError(f"metric must be 'cosine' or 'dot', got {metric!r}")
     seed = _seed(random_state)
+    if block_rows is not None:
+        _check_positive_int("block_rows", block_rows)
 
     pairs = np.stack([labels, confounders], axis=1)
     keys, cell_of = np.unique(pairs, axis=0, return_inverse=True)

@@ -312,7 +312,7 @@ def cross_group_knn(
     kk = min(k, n)  # never more than n entries can be kept
     grp = _Groups(groups)
     given = [int(b) for b in (block_rows, block_cols) if b is not None]
-    tile = min(given) if given else _tile_size(n, u.dtype)
+    tile = min(min(given), n) if given else _tile_size(n, u.dtype)
     starts = list(range(0, n, tile))
     run = _Running(n, kk, u.dtype)
     buf = np.empty(tile * tile, dtype=u.dtype)

@@ -15,8 +15,8 @@ Layout of the computation (no per-row Python loop, no N×N matrix):
   only the kept ``(n, m)`` values are converted, with the arithmetic of
   :func:`~cachescore.neighbors.normalize.cosine_distance_block`;
 * SO and OS are symmetric relations, so each unordered cell pair is multiplied once and each tile
-  is reduced to its ``m`` largest per row *and* per column (``np.partition``; the column side
-  through a cache-friendly strip transpose) and merged into running ``(n, m)`` buffers;
+  is reduced to its ``m`` largest per row *and* per column (in-place ``partition``, no tile copy;
+  the column side through a cache-friendly strip transpose) and merged into running ``(n, m)`` buffers;
   same-group entries are set to ``-inf`` only in tiles where a group occurs on both sides;
 * the work is cut into independent query blocks (:func:`typed_layout`, :func:`typed_block`) whose
   partials are merged by an order-independent reduction (:func:`typed_merge`), so
@@ -32,9 +32,14 @@ per-row :func:`similarity_floor`, which is exactly equivalent to comparing the d
 ``1 - s`` (in the compute dtype) with the radius, and is likewise cut into independent blocks
 (:func:`count_block`, :func:`count_merge`).
 
+:func:`typed_knn_and_counts` fuses the two: the typed tiles are kept (within
+:data:`FUSED_TILE_BYTES`) and only compared with the radii once they are known, so the counting
+pass multiplies only the untyped cell pairs (same cell; other label and other confounder). Every
+pairwise distance of the scope is then computed once (~n²·d/2 multiply-adds in all).
+
 Cost at N = 8,000, D = 384, float32, 2 labels × 4 confounders (``benchmarks/croma_speed.py``): the
-typed search is ~12 GFLOP of GEMM and the counting pass ~25 GFLOP; both run within ~10–30 % of
-one core's GEMM time.
+typed search is ~12 GFLOP of GEMM, the separate counting pass ~25 GFLOP, the fused pair ~25 GFLOP
+in total; CRoMa.compute takes ~0.5 s of one core there, of which ~0.3 s is GEMM.
 """
 
 from __future__ import annotations
@@ -42,8 +47,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
-from .normalize import cosine_distance_block
 
 __all__ = [
     "COUNT_BLOCK_ROWS",

@@ -2,7 +2,8 @@
 
 :func:`run_job` is the whole run (what ``cachescore run`` calls): synthesise the demo cache if the
 job asks for it, plan, record units that failed at planning, open the client (LocalCluster or
-``--scheduler``), submit one task per pending unit (with retries for transient failures), draw a
+``--scheduler``), submit one task per pending unit (metric and probe-sweep units together, with
+retries for transient failures), draw a
 progress bar, save a Dask ``performance_report`` in the store's run folder and write the run's
 provenance. Nothing is started when no unit is pending, so a second run of an unchanged job
 executes no unit (``RunSummary.executed == 0``).
@@ -91,27 +92,36 @@ def _say(out: TextIO | None, msg: str) -> None:
 
 
 def execute_plan(plan: Plan, client, *, store=None, retries: int = 2, out: TextIO | None = sys.stderr,
-                 unit_fn=None, load_fn=None, run_id: str | None = None) -> tuple[int, list]:
+                 unit_fn=None, load_fn=None, run_id: str | None = None, probe_fn=None) -> tuple[int, list]:
     """Run the plan's pending units on ``client``; return ``(n_succeeded, failures)``.
 
-    One task per unit (key ``cachescore-<metric>-<fingerprint prefix>-<run id>``), ``retries`` retries for
-    exceptions that are not data errors. A unit whose task finally errors (retries exhausted,
-    worker killed too often) is recorded as failed in the store by the client.
-    ``unit_fn`` / ``load_fn`` replace :func:`~.unit.score_unit` / :func:`~.unit.load_unit_inputs`
-    (tests).
+    One task per unit (key ``cachescore-<metric>-<fingerprint prefix>-<run id>``), ``retries``
+    retries for exceptions that are not data errors, all gathered in one ``as_completed`` loop:
+    metric units run :func:`~.unit.run_unit`, probe-sweep units :func:`~.unit.run_probe_task`
+    (submitted first, with a higher priority: each secedes from its worker's thread pool and fans
+    its replicates out as further tasks, so metric units run while sweeps are in flight). A unit
+    whose task finally errors (retries exhausted, worker killed too often) is recorded as failed in
+    the store by the client. ``unit_fn`` / ``load_fn`` / ``probe_fn`` replace
+    :func:`~.unit.score_unit` / :func:`~.unit.load_unit_inputs` / ``run_probe_unit`` (tests).
     """
     from distributed import as_completed
 
     from ..store import ResultsStore
+    from .unit import run_probe_task
 
     store = ResultsStore(plan.job.store) if store is None else store
-    units = {u.fingerprint: u for u in plan.pending if u.metric != "probe"}  # probe units: run_probe_units
+    pending = sorted(plan.pending, key=lambda u: u.metric != "probe")  # probe units first (stable)
+    units = {u.fingerprint: u for u in pending}
     futures = {}
     for fp, u in units.items():
         # the run id in the key keeps runs apart: a key still held by another client (e.g. an
         # erred task of an earlier run) would otherwise be reused instead of recomputed
         key = f"cachescore-{u.metric}-{fp[:32]}-{run_id or 'adhoc'}"
-        fut = client.submit(run_unit, u, unit_fn, load_fn, run_id, key=key, retries=retries, pure=False)
+        if u.metric == "probe":
+            fut = client.submit(run_probe_task, u, plan.job.bundles, run_id, probe_fn, key=key, retries=retries,
+                                pure=False, priority=10)
+        else:
+            fut = client.submit(run_unit, u, unit_fn, load_fn, run_id, key=key, retries=retries, pure=False)
         futures[fut] = fp
     bar = ProgressBar(len(futures), out)
     succeeded, failures = 0, []
@@ -138,40 +148,14 @@ def execute_plan(plan: Plan, client, *, store=None, retries: int = 2, out: TextI
     return succeeded, failures
 
 
-def run_probe_units(plan: Plan, client, *, store=None, out: TextIO | None = sys.stderr,
-                    run_id: str | None = None) -> tuple[int, list]:
-    """Run the plan's pending probe-sweep units; return ``(n_succeeded, failures)``.
+def run_probe_units(plan: Plan, client, *, store=None, retries: int = 2, out: TextIO | None = sys.stderr,
+                    run_id: str | None = None, probe_fn=None) -> tuple[int, list]:
+    """Run only the plan's pending probe-sweep units (:func:`execute_plan` runs them together
+    with the metric units); return ``(n_succeeded, failures)``."""
+    import dataclasses
 
-    Each unit runs :func:`~.probe_unit.run_probe_unit` from this (client) process: the sweep fans
-    its replicates out as tasks on ``client`` and gathers the matrices here; the evaluation bundle
-    goes under ``job.bundles`` and one record per (matrix, reduction) into the store. A data error
-    (invalid view for the schedule, leakage, corrupt embeddings) is recorded as the unit's failure.
-    """
-    from ..store import ResultsStore
-    from .probe_unit import run_probe_unit, write_probe_records
-    from .unit import DATA_ERRORS
-
-    store = ResultsStore(plan.job.store) if store is None else store
-    units = [u for u in plan.pending if u.metric == "probe"]
-    bar = ProgressBar(len(units), out)
-    succeeded, failures = 0, []
-    for unit in units:
-        label = f"{unit.encoder}/{unit.view}/probe"
-        t0 = time.perf_counter()
-        try:
-            records, _ = run_probe_unit(unit.cache_root, unit.encoder, unit.view, plan.job.probe,
-                                        bundle_root=plan.job.bundles, client=client,
-                                        code_version=unit.code_version)
-            write_probe_records(store, records, run_id=run_id)
-        except DATA_ERRORS as exc:
-            err = f"{type(exc).__name__}: {exc}"
-            store.record_failure(unit.fingerprint, unit=dict(unit.describe(), run_id=run_id), error=err)
-            failures.append({"label": label, "fingerprint": unit.fingerprint, "error": err})
-            bar.update(label, "FAILED")
-            continue
-        succeeded += 1
-        bar.update(label, "done", time.perf_counter() - t0)
-    return succeeded, failures
+    only = dataclasses.replace(plan, pending=tuple(u for u in plan.pending if u.metric == "probe"))
+    return execute_plan(only, client, store=store, retries=retries, out=out, run_id=run_id, probe_fn=probe_fn)
 
 
 def ensure_demo_cache(job, out: TextIO | None = sys.stderr) -> bool:
@@ -216,7 +200,7 @@ def _hardware(client=None) -> dict:
 
 
 def run_job(job, *, scheduler: str | None = None, out: TextIO | None = sys.stderr, processes: bool = True,
-            unit_fn=None, load_fn=None) -> RunSummary:
+            unit_fn=None, load_fn=None, probe_fn=None) -> RunSummary:
     """Score a job end to end (see module docstring). ``scheduler`` overrides ``[execution] scheduler``.
 
     Returns a :class:`RunSummary`; it does not raise for failed units (they are in
@@ -278,14 +262,11 @@ def run_job(job, *, scheduler: str | None = None, out: TextIO | None = sys.stder
             if summary.dashboard:
                 _say(out, f"dashboard: {summary.dashboard}")
             hardware = _hardware(client)
-            kw = dict(store=store, retries=ex["retries"], out=out, unit_fn=unit_fn, load_fn=load_fn, run_id=run_id)
+            kw = dict(store=store, retries=ex["retries"], out=out, unit_fn=unit_fn, load_fn=load_fn, run_id=run_id,
+                      probe_fn=probe_fn)
 
             def work():
-                ok, fails = execute_plan(plan, client, **kw)
-                if any(u.metric == "probe" for u in plan.pending):
-                    ok_p, fails_p = run_probe_units(plan, client, store=store, out=out, run_id=run_id)
-                    ok, fails = ok + ok_p, fails + fails_p
-                return ok, fails
+                return execute_plan(plan, client, **kw)
 
             if ex["performance_report"]:
                 from distributed import performance_report

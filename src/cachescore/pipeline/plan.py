@@ -101,7 +101,9 @@ class WorkUnit:
 
     @property
     def label(self) -> str:
-        """Short display name: ``encoder/view/design/metric[m=…]``."""
+        """Short display name: ``encoder/view/design/metric[m=…]`` (probe units: ``encoder/view/probe``)."""
+        if self.metric == "probe":
+            return f"{self.encoder}/{self.view}/probe"
         extra = f"[m={self.params['m']}]" if self.metric == "croma" else ""
         return f"{self.encoder}/{self.view}/{self.design}/{self.metric}{extra}"
 

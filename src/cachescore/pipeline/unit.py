@@ -3,7 +3,10 @@
 * :func:`score_unit` is the single place where the pipeline calls the metric API (RI, MaRI,
   CRoMa; exact or ANN neighbours). It takes numpy + pandas and returns a store record and a
   per-unit table.
-* :func:`run_unit` is the Dask task. It receives only a :class:`~.plan.WorkUnit` (paths and
+* :func:`run_probe_task` is the Dask task of a probe-sweep unit: it secedes from the worker's
+  thread pool (``worker_client``), fans the sweep's replicates out as further tasks, waits for them
+  and writes the unit's APD/nIPD records; metric units keep running meanwhile.
+* :func:`run_unit` is the Dask task of a metric unit. It receives only a :class:`~.plan.WorkUnit` (paths and
   parameters, no arrays), reads the embeddings **on the worker**, pins BLAS to one thread, calls
   the unit function and writes the result atomically to the store.
 
@@ -24,7 +27,7 @@ from datetime import datetime, timezone
 import numpy as np
 import pandas as pd
 
-__all__ = ["DATA_ERRORS", "score_unit", "run_unit", "load_unit_inputs", "result_record"]
+__all__ = ["DATA_ERRORS", "score_unit", "run_unit", "run_probe_task", "load_unit_inputs", "result_record"]
 
 #: Exceptions that mean "this unit's data cannot be scored" (recorded, never retried). The cache's
 #: errors subclass ValueError / FileNotFoundError; the metric API raises ValueError/RuntimeError.
@@ -70,8 +73,8 @@ def result_record(unit, result, *, recall: float = float("nan")) -> tuple[dict, 
     """Store record + per-unit table from a ``RobustnessResult`` or ``CRoMaResult``.
 
     Record keys: the unit's identity (encoder, view, tileset, design, metric, params), ``value``,
-    ``std``, ``q_alpha``, ``ltm_alpha``, ``f0`` (CRoMa), ``support`` (number of units with a typed
-    neighbour; all of them for CRoMa) and ``support_fraction``, ``k`` (operating k;
+    ``std``, ``q_alpha``, ``ltm_alpha``, ``f0`` (CRoMa), ``support`` (float64 fraction of defined
+    units, ``RobustnessResult.support``; 1.0 for CRoMa), ``n_defined`` (their count), ``k`` (operating k;
     CRoMa: ``k_final``), ``tau`` (MaRI), ``m`` (CRoMa), ``recall`` (ANN), ``backend``,
     ``n_units``, ``n_pairs``, ``fingerprint``. Missing quantities are NaN, never 0.
     Per-unit columns: ``unit`` (0..U-1, unit order), ``source_index`` (view row), ``subset``,
@@ -95,10 +98,9 @@ def result_record(unit, result, *, recall: float = float("nan")) -> tuple[dict, 
         "q_alpha": _nan(result.q_alpha),
         "ltm_alpha": _nan(result.ltm_alpha),
         "f0": _nan(result.f0) if is_croma else float("nan"),
-        # The store's ``support`` column is an integer count of supported units; the fraction
-        # (RobustnessResult.support) travels as ``support_fraction``. CRoMa needs total support.
-        "support": int(values.size) if is_croma else int(round(float(result.support) * values.size)),
-        "support_fraction": 1.0 if is_croma else _nan(result.support),
+        # ``support`` is RobustnessResult.support (fraction of defined units); CRoMa enforces
+        # total support (its result has no support field): 1.0. The count is ``n_defined``.
+        "support": 1.0 if is_croma else _nan(result.support),
         "k": int(result.k_final) if is_croma else int(result.k),
         "tau": _nan(getattr(result, "tau", None)) if unit.metric == "mari" else float("nan"),
         "m": int(result.m) if is_croma else None,
@@ -232,8 +234,45 @@ def run_unit(unit, unit_fn=None, load_fn=None, run_id: str | None = None) -> dic
     record["seconds_load"] = t1 - t0
     record["finished_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     record["code_version"] = unit.code_version
+    record["inputs"] = dict(unit.inputs)  # lets ``status`` say which input changed since
     record["run_id"] = run_id
     record["warnings"] = "\n".join(sorted({f"{w.category.__name__}: {w.message}" for w in caught}))
     store.write_unit(unit.fingerprint, record=record, per_unit=per_unit)
     return {"fingerprint": unit.fingerprint, "label": unit.label, "status": "done",
             "seconds": record["seconds"], "worker_pid": os.getpid()}
+
+
+def run_probe_task(unit, bundle_root, run_id: str | None = None, probe_fn=None) -> dict:
+    """The Dask task for one probe-sweep unit (``unit.metric == "probe"``). Returns a status dict
+    like :func:`run_unit` (``{"fingerprint", "label", "status", "seconds", "error"?, "records"?}``).
+
+    Runs :func:`~.probe_unit.run_probe_unit` inside ``distributed.worker_client()``: the task
+    leaves the worker's thread pool while the sweep's (replicate, split) tasks run on the cluster,
+    so metric units and other probe units proceed concurrently; the evaluation bundle goes under
+    ``bundle_root`` and one record per (matrix, reduction) into the unit's store. Same failure
+    policy as :func:`run_unit`: a data error (:data:`DATA_ERRORS`: unfit view, leakage, corrupt
+    embeddings) is recorded as the unit's failure and returned as ``failed`` (not retried);
+    anything else propagates and Dask retries the task. ``probe_fn`` replaces ``run_probe_unit``
+    (same signature; tests).
+    """
+    from distributed import worker_client
+
+    from ..store import ResultsStore
+    from .probe_unit import run_probe_unit, write_probe_records
+
+    probe_fn = run_probe_unit if probe_fn is None else probe_fn
+    store = ResultsStore(unit.store_root)
+    t0 = time.perf_counter()
+    try:
+        with worker_client() as client:
+            records, _ = probe_fn(unit.cache_root, unit.encoder, unit.view, unit.params, bundle_root=bundle_root,
+                                  client=client, code_version=unit.code_version)
+    except DATA_ERRORS as exc:
+        err = f"{type(exc).__name__}: {exc}"
+        store.record_failure(unit.fingerprint, unit=dict(unit.describe(), run_id=run_id), error=err)
+        return {"fingerprint": unit.fingerprint, "label": unit.label, "status": "failed", "error": err,
+                "traceback": traceback.format_exc(limit=5), "seconds": time.perf_counter() - t0,
+                "worker_pid": os.getpid()}
+    written = write_probe_records(store, records, run_id=run_id)
+    return {"fingerprint": unit.fingerprint, "label": unit.label, "status": "done", "records": written,
+            "seconds": time.perf_counter() - t0, "worker_pid": os.getpid()}

@@ -14,7 +14,8 @@ Publication protocol of :meth:`ResultsStore.write_unit`: the per-unit Parquet is
 unique name (atomic), then the envelope JSON, naming that file and its sha256, is written to a
 ``.partial`` sibling and renamed to ``<fp>.json``. The key exists only after that rename, so a crash
 at any point leaves either no record or a complete one. Readers accept an envelope only if it
-parses, has this code's version, names its own fingerprint and its per-unit file exists with the
+parses, has this code's record version (:data:`~.schema.RECORD_VERSION`; records of
+another version are ignored, so their units are recomputed, never converted), names its own fingerprint and its per-unit file exists with the
 recorded size (and, when read, checksum); anything else is ignored and the unit is recomputed.
 Different processes may write different (or even the same) units concurrently: every file they
 create has a unique name until the final atomic rename.
@@ -37,13 +38,13 @@ import pyarrow.parquet as pq
 
 from .atomic import atomic_write, atomic_write_json, sweep_partials
 from .fingerprint import canonical
-from .schema import FAILURES_SCHEMA, RECORD_VERSION, SCORES_SCHEMA, failure_to_row, record_to_row, rows_to_frame, utc_now
+from .schema import FAILURES_SCHEMA, RECORD_VERSION, SCORES_SCHEMA, STORE_LAYOUT_VERSION, failure_to_row, record_to_row, rows_to_frame, utc_now
 
 __all__ = ["ResultsStore", "StoreError", "CorruptRecordError"]
 
 _FP = re.compile(r"^[0-9a-f]{16,128}$")
 _RUN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:+=@-]*$")
-_STORE_META = {"format": "cachescore.results", "version": RECORD_VERSION}
+_STORE_META = {"format": "cachescore.results", "version": STORE_LAYOUT_VERSION}
 
 
 class StoreError(ValueError):
@@ -99,9 +100,9 @@ class ResultsStore:
                 raise StoreError(f"{marker} is not valid JSON: {exc}") from exc
             if meta.get("format") != _STORE_META["format"]:
                 raise StoreError(f"{self.path} is not a cachescore results store ({marker} says {meta!r})")
-            if meta.get("version") != RECORD_VERSION:
-                raise StoreError(f"{self.path}: store version {meta.get('version')!r} is not supported "
-                                 f"(this cachescore writes version {RECORD_VERSION}); use a new store folder")
+            if meta.get("version") != STORE_LAYOUT_VERSION:
+                raise StoreError(f"{self.path}: store layout version {meta.get('version')!r} is not supported "
+                                 f"(this cachescore writes version {STORE_LAYOUT_VERSION}); use a new store folder")
         else:
             if any(p.name not in ("units", "failures", "runs") and not p.name.startswith(".") for p in self.path.iterdir()):
                 raise StoreError(f"{self.path} is not empty and has no store.json: refusing to use it as a results store")

@@ -17,6 +17,7 @@ from .fingerprint import canonical_json
 
 __all__ = [
     "RECORD_VERSION",
+    "STORE_LAYOUT_VERSION",
     "SCORES_SCHEMA",
     "FAILURES_SCHEMA",
     "STRING_FIELDS",
@@ -29,16 +30,24 @@ __all__ = [
     "loads_params",
 ]
 
-#: Version of the unit/failure record envelope written by this code; others are ignored (recomputed).
-RECORD_VERSION = 1
+#: Version of the unit/failure record envelope written by this code; records of any other version
+#: are ignored (their units are recomputed, never converted). 2: ``support`` became the fraction of
+#: defined units (float64; it was an integer count in version 1).
+RECORD_VERSION = 2
+
+#: Version of the store folder layout (``store.json``); independent of :data:`RECORD_VERSION`, so a
+#: record-version bump recomputes units inside an existing store instead of refusing the folder.
+STORE_LAYOUT_VERSION = 1
 
 #: Text columns of the scores table.
 STRING_FIELDS = ("encoder", "view", "tileset", "scope", "design", "family", "metric", "params",
                  "unit", "fingerprint", "run_id", "code_version", "backend", "extra")
 #: Float columns of the scores table.
-FLOAT_FIELDS = ("value", "std", "q_alpha", "ltm_alpha", "f0", "tau", "recall", "seconds")
+#: ``support`` is the fraction of defined units in [0, 1] (``RobustnessResult.support``; 1.0 for
+#: CRoMa, which enforces total support); the count of defined units is ``n_defined``.
+FLOAT_FIELDS = ("value", "std", "q_alpha", "ltm_alpha", "f0", "support", "tau", "recall", "seconds")
 #: Integer columns of the scores table.
-INT_FIELDS = ("support", "k", "m", "n_units", "n_defined")
+INT_FIELDS = ("k", "m", "n_units", "n_defined")
 
 _ORDER = ("fingerprint", "encoder", "view", "tileset", "scope", "design", "family", "metric", "params",
           "value", "std", "q_alpha", "ltm_alpha", "f0", "support", "k", "tau", "m", "recall",
@@ -123,6 +132,8 @@ def record_to_row(record: dict, *, fingerprint: str, finished_at: str) -> dict:
             row[key] = _text(value)
         elif key in FLOAT_FIELDS:
             row[key] = _float(value)
+            if key == "support" and row[key] is not None and not (0.0 <= row[key] <= 1.0 or row[key] != row[key]):
+                raise ValueError(f"support must be a fraction in [0, 1] (the count goes in n_defined), got {value!r}")
         elif key in INT_FIELDS:
             row[key] = _int(value)
         else:
