@@ -521,3 +521,54 @@ def test_probe_units_run_concurrently_with_metric_units(tmp_path):
         row = probe[probe["fingerprint"] == rec["fingerprint"]]
         assert row["value"].iloc[0] == pytest.approx(rec["value"], rel=0, abs=0, nan_ok=True)
     assert run(job).executed == 0  # skip semantics: everything is in the store
+
+
+_PROBE_ATTEMPTS: list[str] = []
+
+
+def probe_flaky(*args, **kwargs):
+    """First attempt: a transport failure (not a data error: Dask retries it); then the real sweep."""
+    from cachescore.pipeline.probe_unit import run_probe_unit
+
+    with _LOCK:
+        _PROBE_ATTEMPTS.append(args[1])
+        first = len(_PROBE_ATTEMPTS) == 1
+    if first:
+        raise ConnectionResetError("simulated transient transport failure")
+    return run_probe_unit(*args, **kwargs)
+
+
+def probe_always_lost(*args, **kwargs):
+    raise ConnectionResetError("simulated persistent transport failure")
+
+
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
+def test_probe_unit_retry_semantics(tmp_path):
+    """Probe units follow the metric units' policy: a transient failure is retried by Dask (the
+    retry succeeds and stores the records); when retries run out the client records the unit as
+    failed with its error (status lists its records as failed), and a later run scores it."""
+    from cachescore.pipeline.status import unit_status
+
+    root = _probe_cache(tmp_path / "cache")
+
+    def job_at(name, retries):
+        return parse_job({"schema_version": 1,
+                          "job": {"cache": str(root), "store": str(tmp_path / name), "views": ["v"], "encoders": ["encA"]},
+                          "metrics": {"families": ["ri"]}, "probe": PROBE,
+                          "execution": {"n_workers": 1, "retries": retries, "dashboard": False,
+                                        "performance_report": False}}, path=tmp_path / f"{name}.toml")
+
+    _PROBE_ATTEMPTS.clear()
+    job = job_at("flaky", 1)
+    summary = run(job, probe_fn=probe_flaky)
+    assert summary.ok and summary.succeeded == 2 and _PROBE_ATTEMPTS == ["encA", "encA"]
+    assert (ResultsStore(job.store).scores()["design"] == "probe").sum() == 4
+
+    lost = job_at("lost", 0)
+    summary = run(lost, probe_fn=probe_always_lost)
+    assert summary.succeeded == 1 and [f["label"] for f in summary.failures] == ["encA/v/probe"]
+    assert "ConnectionResetError" in summary.failures[0]["error"]
+    rows = [r for r in unit_status(lost) if r["design"] == "probe"]
+    assert len(rows) == 4 and all(r["state"] == "failed" and "ConnectionResetError" in r["detail"] for r in rows)
+    again = run(lost)
+    assert again.ok and again.executed == 1 and again.skipped == 1

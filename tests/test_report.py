@@ -32,7 +32,7 @@ def fp_of(*parts) -> str:
 def record(encoder, value, *, metric="ri", view="centre_all", design="all", m=None, when="2026-01-01T00:00:00+00:00", **kw):
     rec = {"encoder": encoder, "view": view, "tileset": "demo", "design": design, "family": metric, "metric": metric,
            "params": '{"alpha":0.1,"k_candidates":[5,11]}', "value": value, "std": 0.01, "q_alpha": 0.2,
-           "ltm_alpha": 0.1, "f0": float("nan"), "support": 100, "k": 11, "tau": float("nan"), "m": m,
+           "ltm_alpha": 0.1, "f0": float("nan"), "support": 1.0, "k": 11, "tau": float("nan"), "m": m,
            "recall": float("nan"), "n_units": 100, "backend": "exact", "seconds": 1.25, "finished_at": when}
     rec.update(kw)
     return rec
