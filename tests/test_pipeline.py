@@ -376,11 +376,7 @@ def test_ann_backend_wiring_records_recall(tmp_path, demo_cache):
     _ann_vs_exact(tmp_path, demo_cache, ["ri", "mari"])
 
 
-@pytest.mark.xfail(raises=IndexError, strict=False,
-                   reason="neighbors/ann.py _brute: a contiguous target-row slice runs past the cell "
-                          "(u[trows[0]+t : trows[0]+t+block] is not clipped to trows.size)")
 def test_ann_backend_wiring_croma(tmp_path, demo_cache):
-    pytest.importorskip("cachescore.neighbors.ann")
     _ann_vs_exact(tmp_path, demo_cache, ["croma"])
 
 

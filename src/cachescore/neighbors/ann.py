@@ -109,6 +109,9 @@ class AnnKnnResult:
     rounds: int
     candidate_width: int
     exact: bool
+    method: str = "graph"
+    probe_fraction: float = 1.0
+    n_clusters: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,6 +131,8 @@ class AnnTypedResult:
     rounds: int
     n_cells: int
     exact_cells: int
+    method: str = "graph"
+    probe_fraction: float = 1.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -245,27 +250,14 @@ def _refine(u, groups, qrows, cand, k):
 
 def _brute(u, groups, qrows, trows, k, *, block=BRUTE_BLOCK):
     """Exact top-k by (dist, idx) of ``qrows`` over target rows ``trows`` (1-D global indices),
-    excluding same-group targets; blocked GEMMs (no |q|×|t| array). Returns global indices."""
-    nq = qrows.size
-    best = (np.full((nq, k), -1, np.int64), np.full((nq, k), np.inf))
-    tgroups = groups[trows]
-    contiguous = trows.size > 0 and trows[-1] - trows[0] + 1 == trows.size and np.all(np.diff(trows) == 1)
-    for s in range(0, nq, block):
-        q = qrows[s : s + block]
-        uq = np.asarray(u[q])
-        gq = groups[q][:, None]
-        acc = (best[0][s : s + block], best[1][s : s + block])
-        for t in range(0, trows.size, block):
-            if contiguous:
-                ut = np.asarray(u[trows[0] + t : trows[0] + t + block])
-            else:
-                ut = np.asarray(u[trows[t : t + block]])
-            d = cosine_distance_block(uq, ut).astype(np.float64)
-            d[gq == tgroups[None, t : t + block]] = np.inf
-            ids = np.broadcast_to(trows[None, t : t + block], d.shape)
-            acc = _merge(acc, _topk(d, np.ascontiguousarray(ids), k), k)
-        best[0][s : s + block], best[1][s : s + block] = acc
-    return best
+    excluding same-group targets; blocked GEMMs of ``block × 4·block`` tiles (no |q|×|t| array).
+    Returns global indices (|q|, k) int64 and distances float64, (-1, +inf) padded."""
+    qrows = np.asarray(qrows, dtype=np.int64)
+    trows = np.asarray(trows, dtype=np.int64)
+    best_i = np.full((qrows.size, k), -1, np.int64)
+    best_d = np.full((qrows.size, k), np.inf)
+    _knn_into(u, groups, qrows, trows, k, best_i, best_d, tq=block, tt=4 * block)
+    return best_i, best_d
 
 
 # --------------------------------------------------------------------------------------------
@@ -425,24 +417,19 @@ def exact_typed_rows(u, labels, confounders, groups, rows, m, *, block=BRUTE_BLO
     rows = np.asarray(rows, dtype=np.int64)
     so = (np.full((rows.size, m), -1, np.int64), np.full((rows.size, m), np.inf))
     os_ = (np.full((rows.size, m), -1, np.int64), np.full((rows.size, m), np.inf))
-    for s in range(0, rows.size, block):
-        q = rows[s : s + block]
-        uq = np.asarray(u[q])
-        a_so = (so[0][s : s + block], so[1][s : s + block])
-        a_os = (os_[0][s : s + block], os_[1][s : s + block])
-        for t in range(0, n, block):
-            sl = slice(t, min(n, t + block))
-            d = cosine_distance_block(uq, np.asarray(u[sl])).astype(np.float64)
-            d[groups[q][:, None] == groups[None, sl]] = np.inf
-            lab, con = labels[sl][None, :], confounders[sl][None, :]
+    for t in range(0, n, 4 * block):
+        sl = slice(t, min(n, t + 4 * block))
+        ut = np.asarray(u[sl])
+        ids = np.arange(sl.start, sl.stop, dtype=np.int64)
+        lab, con, grp = labels[sl][None, :], confounders[sl][None, :], groups[sl][None, :]
+        for s in range(0, rows.size, block):
+            q = rows[s : s + block]
+            d = cosine_distance_block(np.asarray(u[q]), ut)
+            d[groups[q][:, None] == grp] = np.inf
             lq, cq = labels[q][:, None], confounders[q][:, None]
-            m_so = (lab == lq) & (con != cq)
-            m_os = (lab != lq) & (con == cq)
-            ids = np.ascontiguousarray(np.broadcast_to(np.arange(sl.start, sl.stop)[None, :], d.shape))
-            a_so = _merge(a_so, _topk(np.where(m_so, d, np.inf), ids, m), m)
-            a_os = _merge(a_os, _topk(np.where(m_os, d, np.inf), ids, m), m)
-        so[0][s : s + block], so[1][s : s + block] = a_so
-        os_[0][s : s + block], os_[1][s : s + block] = a_os
+            same_l, same_c = lab == lq, con == cq
+            _merge_tile(so[0][s : s + block], so[1][s : s + block], np.where(same_l & ~same_c, d, np.inf), ids, m)
+            _merge_tile(os_[0][s : s + block], os_[1][s : s + block], np.where(~same_l & same_c, d, np.inf), ids, m)
     return so, os_
 
 
@@ -506,7 +493,314 @@ def measure_typed_recall(
 
 
 # --------------------------------------------------------------------------------------------
+# GEMM-IVF: a spherical k-means partition, cluster-to-cluster probing, exact blocked GEMMs
+
+
+#: Rows per k-means cluster of the IVF partition (``n_clusters = ceil(n / IVF_ROWS_PER_CLUSTER)``).
+IVF_ROWS_PER_CLUSTER = 4096
+
+#: Probe fractions tried, in order, by the calibration (fraction of the searched rows probed).
+IVF_FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 1 / 2)
+
+#: Above this probe fraction the IVF search costs more than the symmetric exact engines (which
+#: compute each pair once for both rows), so the exact engine answers instead (recall 1).
+IVF_EXACT_FRACTION = 0.5
+
+#: Query rows × target rows handled in one distance tile of :func:`_knn_into`.
+IVF_TILE_Q, IVF_TILE_T = 1024, 8192
+
+
+class _Partition:
+    """Spherical k-means partition of the rows: ``cluster`` (n,) int64 codes, ``members[c]`` the
+    sorted global rows of cluster ``c``, ``order[c]`` the clusters by decreasing centroid
+    similarity to ``c`` (``c`` itself first)."""
+
+    def __init__(self, u, n_clusters, seed, *, sample=None, iters=8, block=65536):
+        n, d = u.shape
+        c = int(max(1, min(n_clusters, n)))
+        rng = np.random.default_rng(seed)
+        size = min(n, int(sample) if sample else max(20000, 40 * c))
+        pick = np.sort(rng.choice(n, size=size, replace=False))
+        x = np.asarray(u[pick], dtype=np.float32)
+        cent = x[rng.choice(size, size=c, replace=False)].copy()
+        for _ in range(iters):
+            lab = np.argmax(x @ cent.T, axis=1)
+            new = np.zeros_like(cent)
+            np.add.at(new, lab, x)
+            norms = np.linalg.norm(new, axis=1)
+            empty = norms == 0
+            if empty.any():  # reseed empty clusters with random sample rows
+                new[empty] = x[rng.choice(size, size=int(empty.sum()), replace=False)]
+                norms[empty] = np.linalg.norm(new[empty], axis=1)
+            norms[norms == 0] = 1.0
+            cent = new / norms[:, None]
+        self.centroids = cent
+        cl = np.empty(n, dtype=np.int64)
+        for s in range(0, n, block):
+            cl[s : s + block] = np.argmax(np.asarray(u[s : s + block], dtype=np.float32) @ cent.T, axis=1)
+        self.cluster = cl
+        srt = np.argsort(cl, kind="stable")
+        bounds = np.searchsorted(cl[srt], np.arange(c + 1))
+        self.members = [srt[bounds[i] : bounds[i + 1]] for i in range(c)]
+        sims = cent @ cent.T
+        np.fill_diagonal(sims, np.inf)
+        self.order = np.argsort(-sims, axis=1, kind="stable")
+        self.n_clusters = c
+
+    def probe(self, a, frac, sizes, total):
+        """Clusters probed from cluster ``a``: the most similar ones (``a`` first) until they hold
+        at least ``frac · total`` rows, counted by ``sizes`` (rows of each cluster that matter)."""
+        o = self.order[a]
+        if frac >= 1:
+            return o[sizes[o] > 0]
+        cum = np.cumsum(sizes[o])
+        stop = int(np.searchsorted(cum, frac * total)) + 1
+        sel = o[:stop]
+        return sel[sizes[sel] > 0]
+
+
+def _merge_tile(bi, bd, dist, tids, k):
+    """Merge a distance tile ``dist`` (b, w) (+inf = not eligible) over target rows ``tids`` (w,)
+    into the running top-k ``bi`` / ``bd`` (b, k) by (dist, idx), in place. An entry farther than
+    the row's current k-th distance is dropped before any sort (ties with it are kept)."""
+    thr = bd[:, k - 1].astype(dist.dtype)
+    if dist.shape[1] > k and not np.isfinite(thr).all():
+        thr = np.minimum(thr, np.partition(dist, k - 1, axis=1)[:, k - 1])
+    r, c = np.nonzero(dist <= thr[:, None])
+    if r.size == 0:
+        return
+    b = dist.shape[0]
+    rows = np.concatenate([np.repeat(np.arange(b), k), r])
+    dd = np.concatenate([bd.ravel(), dist[r, c].astype(np.float64)])
+    ii = np.concatenate([bi.ravel(), tids[c]])
+    order = np.lexsort((ii, dd, rows))
+    rows, dd, ii = rows[order], dd[order], ii[order]
+    rank = np.arange(rows.size) - np.searchsorted(rows, np.arange(b))[rows]
+    keep = (rank < k) & np.isfinite(dd)
+    bi[:] = -1
+    bd[:] = np.inf
+    bi[rows[keep], rank[keep]] = ii[keep]
+    bd[rows[keep], rank[keep]] = dd[keep]
+
+
+def _knn_into(u, groups, qrows, trows, k, best_i, best_d, *, tq=IVF_TILE_Q, tt=IVF_TILE_T):
+    """Merge the exact top-k by (dist, idx) of ``qrows`` over ``trows`` (other-group rows only)
+    into ``best_i`` / ``best_d`` (|q|, k), in place, by blocked GEMMs (:func:`_merge_tile`)."""
+    if qrows.size == 0 or trows.size == 0:
+        return
+    gq_all = groups[qrows]
+    uq_all = np.asarray(u[qrows]) if qrows.size <= 4 * tq else None
+    for t0 in range(0, trows.size, tt):
+        tids = trows[t0 : t0 + tt]
+        ut = np.asarray(u[tids])
+        gt = groups[tids]
+        for s in range(0, qrows.size, tq):
+            uq = uq_all[s : s + tq] if uq_all is not None else np.asarray(u[qrows[s : s + tq]])
+            dist = cosine_distance_block(uq, ut)
+            dist[gq_all[s : s + tq, None] == gt[None, :]] = np.inf
+            _merge_tile(best_i[s : s + tq], best_d[s : s + tq], dist, tids, k)
+
+
+def _ivf_cross(u, groups, part, frac, k, queries=None):
+    """Cross-group top-k of ``queries`` (default all rows, sorted) probing ``frac`` of the rows."""
+    n = u.shape[0]
+    qsel = None if queries is None else np.zeros(n, dtype=bool)
+    if qsel is not None:
+        qsel[queries] = True
+    nq = n if queries is None else queries.size
+    pos = None if queries is None else np.full(n, -1, np.int64)
+    if pos is not None:
+        pos[queries] = np.arange(queries.size)
+    out_i = np.full((nq, k), -1, np.int64)
+    out_d = np.full((nq, k), np.inf)
+    sizes = np.array([m.size for m in part.members])
+    for a in range(part.n_clusters):
+        q = part.members[a] if qsel is None else part.members[a][qsel[part.members[a]]]
+        if q.size == 0:
+            continue
+        trows = np.sort(np.concatenate([part.members[b] for b in part.probe(a, frac, sizes, n)]))
+        at = q if pos is None else pos[q]
+        bi, bd = out_i[at], out_d[at]
+        _knn_into(u, groups, q, trows, k, bi, bd)
+        out_i[at], out_d[at] = bi, bd
+    return out_i, out_d
+
+
+def _ivf_typed(u, labels, confounders, groups, part, frac, m, queries=None):
+    """Typed (SO, OS) top-m (idx, dist) of ``queries`` (default all rows) probing, per target
+    cell, the clusters nearest to the query's cluster until ``frac`` of the cell is covered."""
+    n = u.shape[0]
+    queries = np.arange(n, dtype=np.int64) if queries is None else queries
+    pos = np.full(n, -1, np.int64)
+    pos[queries] = np.arange(queries.size)
+    keys, cell_of = np.unique(np.stack([labels, confounders], axis=1), axis=0, return_inverse=True)
+    cell_of = cell_of.ravel()
+    n_cells = len(keys)
+    # rows of cell t in cluster c: sorted by (cell, cluster, row)
+    srt = np.lexsort((np.arange(n), part.cluster, cell_of))
+    key = cell_of[srt] * part.n_clusters + part.cluster[srt]
+    bounds = np.searchsorted(key, np.arange(n_cells * part.n_clusters + 1))
+    counts = np.diff(bounds).reshape(n_cells, part.n_clusters)
+    so = (np.full((queries.size, m), -1, np.int64), np.full((queries.size, m), np.inf))
+    os_ = (np.full((queries.size, m), -1, np.int64), np.full((queries.size, m), np.inf))
+    qcell = cell_of[queries]
+    qclus = part.cluster[queries]
+    for a in range(part.n_clusters):
+        in_a = queries[qclus == a]
+        if in_a.size == 0:
+            continue
+        for qc in np.unique(cell_of[in_a]):
+            q = in_a[cell_of[in_a] == qc]
+            lq, cq = keys[qc]
+            for t, (lt, ct) in enumerate(keys):
+                is_so = lt == lq and ct != cq
+                if not (is_so or (lt != lq and ct == cq)):
+                    continue
+                probed = part.probe(a, frac, counts[t], counts[t].sum())
+                tr = np.sort(np.concatenate(
+                    [srt[bounds[t * part.n_clusters + b] : bounds[t * part.n_clusters + b + 1]] for b in probed]
+                ))
+                acc = so if is_so else os_
+                at = pos[q]
+                bi = np.full((q.size, m), -1, np.int64)
+                bd = np.full((q.size, m), np.inf)
+                _knn_into(u, groups, q, tr, m, bi, bd)
+                acc[0][at], acc[1][at] = _merge((acc[0][at], acc[1][at]), (bi, bd), m)
+    del qcell
+    return so, os_
+
+
+def _probe_levels(part, fractions, sizes):
+    """``(C, C)`` int: for query cluster ``a`` and target cluster ``b``, the index of the first
+    fraction of ``fractions`` (ascending) at which ``b`` is probed from ``a`` for the row counts
+    ``sizes`` (C,); ``len(fractions)`` when it never is. Probe sets grow with the fraction."""
+    c = part.n_clusters
+    lev = np.full((c, c), len(fractions), dtype=np.int64)
+    for i in range(len(fractions) - 1, -1, -1):
+        for a in range(c):
+            lev[a, part.probe(a, fractions[i], sizes, sizes.sum())] = i
+    return lev
+
+
+def _calibrate(levels, true_idx, true_dist, tol, target, fractions):
+    """Smallest probe fraction whose recall on calibration rows reaches ``target`` (1.0 if none).
+
+    ``true_idx`` / ``true_dist`` (q, k): the exact answers of the calibration rows (one pair per
+    type); ``levels`` (q, k) int the probe level of each true neighbour (see
+    :func:`_probe_levels`). A search at fraction ``f_i`` finds every true neighbour of level
+    ``<= i`` (it searches the probed rows exactly), so its tie-robust hits are
+    ``min(n_true, #level <= i)``; rows tied with the k-th beyond the table are not counted, which
+    can only under-state the recall.
+    """
+    for i, f in enumerate(fractions):
+        hits = total = 0
+        for lev, ti, td in zip(levels, true_idx, true_dist):
+            valid = (ti >= 0) & np.isfinite(td)
+            n_true = valid.sum(axis=1)
+            hits += int(np.minimum(n_true, ((lev <= i) & valid).sum(axis=1)).sum())
+            total += int(n_true.sum())
+        if total == 0 or hits / total >= target:
+            return f
+    del tol
+    return 1.0
+
+
+def _ivf_cross_search(u, groups, kmax, *, target, seed, n_recall_queries, n_clusters, probe_fraction,
+                      max_rounds, brute_block):
+    n = u.shape[0]
+    part = _Partition(u, n_clusters or math.ceil(n / IVF_ROWS_PER_CLUSTER), seed)
+    tol = distance_tol(u.dtype, u.shape[1])
+    audit = _sample(n, n_recall_queries, seed)
+    calib_seed = None if seed is None else seed + 1
+    if probe_fraction is None:
+        calib = _sample(n, max(2 * n_recall_queries, 2000), calib_seed)
+        # calibrate to a margin above the target: the audit is a different, independent sample
+        want = min(1.0, target + 0.5 * (1.0 - target))
+        c_idx, c_dist = _brute(u, groups, calib, np.arange(n, dtype=np.int64), kmax, block=brute_block)
+        sizes = np.array([mb.size for mb in part.members])
+        lev = _probe_levels(part, IVF_FRACTIONS, sizes)[part.cluster[calib][:, None], part.cluster[np.maximum(c_idx, 0)]]
+        frac = _calibrate([lev], [c_idx], [c_dist], tol, want, IVF_FRACTIONS)
+    else:
+        frac = float(probe_fraction)
+    rounds = 0
+    while True:
+        if frac > IVF_EXACT_FRACTION:
+            from .exact import cross_group_knn
+
+            idx, dist = cross_group_knn(u, groups, kmax)
+            return idx, dist, 1.0, 0, rounds, 1.0, True, part.n_clusters
+        idx, dist = _ivf_cross(u, groups, part, frac, kmax)
+        _, true_d = _brute(u, groups, audit, np.arange(n, dtype=np.int64), kmax, block=brute_block)
+        hits, total = _recall_counts(dist[audit], true_d, tol)
+        recall = 1.0 if total == 0 else hits / total
+        if recall >= target:
+            return idx, dist, recall, int(audit.size), rounds, frac, False, part.n_clusters
+        if rounds >= int(max_rounds):
+            raise RecallTargetError(
+                f"ANN (ivf) cross-group search reached recall {recall:.4f} < target {target} on "
+                f"{audit.size} sampled rows after {rounds} widening round(s) (n={n}, kmax={kmax}, "
+                f"probe fraction {frac:g}); raise max_rounds or use backend='exact'"
+            )
+        rounds, frac = rounds + 1, 2 * frac
+
+
+def _ivf_typed_search(u, labels, confounders, groups, m, *, target, seed, n_recall_queries, n_clusters,
+                      probe_fraction, max_rounds):
+    n = u.shape[0]
+    part = _Partition(u, n_clusters or math.ceil(n / IVF_ROWS_PER_CLUSTER), seed)
+    tol = distance_tol(u.dtype, u.shape[1])
+    audit = _sample(n, n_recall_queries, seed)
+    calib_seed = None if seed is None else seed + 1
+    if probe_fraction is None:
+        calib = _sample(n, max(2 * n_recall_queries, 2000), calib_seed)
+        want = min(1.0, target + 0.5 * (1.0 - target))
+        keys, cell_of = np.unique(np.stack([labels, confounders], axis=1), axis=0, return_inverse=True)
+        cell_of = cell_of.ravel()
+        # probe levels per target cell: (cells, C, C)
+        lev_t = np.stack([
+            _probe_levels(part, IVF_FRACTIONS, np.bincount(part.cluster[cell_of == t], minlength=part.n_clusters))
+            for t in range(len(keys))
+        ])
+        (s_i, s_d), (o_i, o_d) = exact_typed_rows(u, labels, confounders, groups, calib, m)
+        qa = part.cluster[calib][:, None]
+        levels = [lev_t[cell_of[np.maximum(ti, 0)], qa, part.cluster[np.maximum(ti, 0)]] for ti in (s_i, o_i)]
+        frac = _calibrate(levels, [s_i, o_i], [s_d, o_d], tol, want, IVF_FRACTIONS)
+    else:
+        frac = float(probe_fraction)
+    rounds = 0
+    while True:
+        if frac > IVF_EXACT_FRACTION:
+            from .typed import typed_knn
+
+            so_d, os_d = typed_knn(u, labels, confounders, groups, m)
+            return so_d, os_d, 1.0, 0, rounds, 1.0, True
+        so, os_ = _ivf_typed(u, labels, confounders, groups, part, frac, m)
+        (_, t_so), (_, t_os) = exact_typed_rows(u, labels, confounders, groups, audit, m)
+        h1, n1 = _recall_counts(so[1][audit], t_so, tol)
+        h2, n2 = _recall_counts(os_[1][audit], t_os, tol)
+        recall = 1.0 if n1 + n2 == 0 else (h1 + h2) / (n1 + n2)
+        if recall >= target:
+            return so[1], os_[1], recall, int(audit.size), rounds, frac, False
+        if rounds >= int(max_rounds):
+            raise RecallTargetError(
+                f"ANN (ivf) typed search reached recall {recall:.4f} < target {target} on "
+                f"{audit.size} sampled rows after {rounds} widening round(s) (n={n}, m={m}, "
+                f"probe fraction {frac:g}); raise max_rounds or use backend='exact'"
+            )
+        rounds, frac = rounds + 1, 2 * frac
+
+
+# --------------------------------------------------------------------------------------------
 # public ANN searches
+
+
+def _check_method(method, n_clusters, probe_fraction):
+    if method not in ("ivf", "graph"):
+        raise ValueError(f"method must be 'ivf' or 'graph', got {method!r}")
+    if n_clusters is not None:
+        _check_positive_int("n_clusters", n_clusters)
+    if probe_fraction is not None and not 0.0 < float(probe_fraction) <= 1.0:
+        raise ValueError(f"probe_fraction must be in (0, 1], got {probe_fraction!r}")
 
 
 def _proxy(u, proxy_dim, seed):
@@ -535,6 +829,9 @@ def cross_group_knn_ann_with_recall(
     proxy_dim=None,
     block_rows=None,
     block_cols=None,
+    method="ivf",
+    n_clusters=None,
+    probe_fraction=None,
 ) -> AnnKnnResult:
     """Cross-group kNN by pynndescent candidates + exact refinement, with its measured recall.
 
@@ -602,6 +899,7 @@ def cross_group_knn_ann_with_recall(
         raise ValueError("max_rounds and n_expand must be >= 0")
     if metric not in ("cosine", "dot"):
         raise ValueError(f"metric must be 'cosine' or 'dot', got {metric!r}")
+    _check_method(method, n_clusters, probe_fraction)
     seed = _seed(random_state)
     given = [_check_positive_int(k, v) for k, v in (("block_rows", block_rows), ("block_cols", block_cols)) if v is not None]
     brute_block = min(given) if given else BRUTE_BLOCK
@@ -610,6 +908,21 @@ def cross_group_knn_ann_with_recall(
         return AnnKnnResult(
             idx=np.full((n, kmax), -1, np.int64), dist=np.full((n, kmax), np.inf), recall=1.0,
             recall_target=target, n_recall_queries=0, rounds=0, candidate_width=0, exact=True,
+        )
+    if method == "ivf":
+        if n <= BRUTE_MAX_ROWS:
+            idx, dist = _brute(u, groups, rows, rows, kmax, block=brute_block)
+            return AnnKnnResult(
+                idx=idx, dist=dist, recall=1.0, recall_target=target, n_recall_queries=0, rounds=0,
+                candidate_width=n - 1, exact=True, method="ivf",
+            )
+        idx, dist, recall, nq, rounds, frac, exact, ncl = _ivf_cross_search(
+            u, groups, kmax, target=target, seed=seed, n_recall_queries=_check_positive_int("n_recall_queries", n_recall_queries),
+            n_clusters=n_clusters, probe_fraction=probe_fraction, max_rounds=max_rounds, brute_block=brute_block,
+        )
+        return AnnKnnResult(
+            idx=idx, dist=dist, recall=recall, recall_target=target, n_recall_queries=nq, rounds=rounds,
+            candidate_width=int(round(frac * n)), exact=exact, method="ivf", probe_fraction=frac, n_clusters=ncl,
         )
     width = min(n, kmax + int(np.unique(groups, return_counts=True)[1].max()) + 1)
     z = None
@@ -675,6 +988,9 @@ def typed_knn_ann_with_recall(
     metric="cosine",
     proxy_dim=None,
     block_rows=None,
+    method="ivf",
+    n_clusters=None,
+    probe_fraction=None,
 ) -> AnnTypedResult:
     """Typed (SO / OS) neighbour distances by one pynndescent graph per target cell.
 
@@ -714,10 +1030,22 @@ def typed_knn_ann_with_recall(
         raise ValueError("max_rounds and n_expand must be >= 0")
     if metric not in ("cosine", "dot"):
         raise ValueError(f"metric must be 'cosine' or 'dot', got {metric!r}")
+    _check_method(method, n_clusters, probe_fraction)
     seed = _seed(random_state)
     if block_rows is not None:
         _check_positive_int("block_rows", block_rows)
 
+    if method == "ivf" and n > TYPED_BRUTE_MAX_ROWS:
+        so_d, os_d, recall, nq, rounds, frac, exact = _ivf_typed_search(
+            u, labels, confounders, groups, m, target=target, seed=seed,
+            n_recall_queries=_check_positive_int("n_recall_queries", n_recall_queries),
+            n_clusters=n_clusters, probe_fraction=probe_fraction, max_rounds=max_rounds,
+        )
+        nc = len(np.unique(np.stack([labels, confounders], axis=1), axis=0))
+        return AnnTypedResult(
+            so_dist=so_d, os_dist=os_d, recall=recall, recall_target=target, n_recall_queries=nq,
+            rounds=rounds, n_cells=nc, exact_cells=nc if exact else 0, method="ivf", probe_fraction=frac,
+        )
     pairs = np.stack([labels, confounders], axis=1)
     keys, cell_of = np.unique(pairs, axis=0, return_inverse=True)
     cell_of = cell_of.ravel()

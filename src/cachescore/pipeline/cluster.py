@@ -36,7 +36,15 @@ class SingleThreadBLAS(WorkerPlugin):
 
     name = "cachescore-single-thread-blas"
 
+    def __init__(self):
+        # Recorded where the plugin is created (the client) and shipped with it: a worker running
+        # inside the client's process (LocalCluster(processes=False)) must not change that
+        # process's thread pools behind the caller's back; its tasks still pin per task.
+        self.client_pid = os.getpid()
+
     def setup(self, worker):  # noqa: D401 - plugin hook
+        if os.getpid() == self.client_pid:
+            return
         for k, v in THREAD_ENV.items():
             os.environ.setdefault(k, v)
         os.environ.setdefault("NUMBA_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "cachescore-numba"))
