@@ -139,10 +139,6 @@ def test_croma_compute_with_distributed_search_equals_compute(client, design):
 def test_cross_group_knn_blocks_equal_whole_scope(client):
     from cachescore.neighbors import exact
 
-    if "rows" not in inspect.signature(exact.cross_group_knn).parameters:
-        with pytest.raises(NotImplementedError, match="no 'rows' keyword"):
-            distributed_cross_group_knn(client, np.zeros((4, 2), np.float32), np.arange(4), 2)
-        pytest.skip("cachescore.neighbors.exact.cross_group_knn has no rows= keyword yet (engineer A)")
     u, _, _, groups = _scope(11, 260, np.float32)
     with threadpool_limits(limits=1):
         want = exact.cross_group_knn(u, groups, 12)

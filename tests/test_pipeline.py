@@ -304,9 +304,6 @@ def test_score_unit_matches_croma(tmp_path, demo_cache):
     probability ~0; RI/k/support are compared exactly, MaRI/CRoMa within the spec's float32
     tolerance (spec/metrics.md §12.3).
     """
-    pytest.importorskip("cachescore.metrics.ri")
-    pytest.importorskip("cachescore.metrics.mari")
-    pytest.importorskip("cachescore.metrics.croma")
     import croma
 
     from cachescore.pipeline import score_unit
@@ -367,12 +364,11 @@ def _ann_vs_exact(tmp_path, demo_cache, families):
 
 
 def test_ann_backend_wiring_records_recall(tmp_path, demo_cache):
-    """backend = "ann" goes through engineer F's searches and records their measured recall.
+    """backend = "ann" goes through the ANN searches and records their measured recall.
 
     The demo scopes are small, so the ANN engine answers them by exact brute force (its own
     policy below BRUTE_MAX_ROWS): recall is exactly 1 and the values equal the exact backend's.
     """
-    pytest.importorskip("cachescore.neighbors.ann")
     _ann_vs_exact(tmp_path, demo_cache, ["ri", "mari"])
 
 

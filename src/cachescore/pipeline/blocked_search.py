@@ -24,7 +24,6 @@ larger than a worker's memory need the ANN backend instead.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 
 import numpy as np
@@ -165,12 +164,6 @@ def distributed_count_within(client, u, groups, radius, *, block_rows=None) -> n
         _release(us_f, gs_f, floor_f)
 
 
-def _cross_group_supports_rows() -> bool:
-    from ..neighbors.exact import cross_group_knn
-
-    return "rows" in inspect.signature(cross_group_knn).parameters
-
-
 def distributed_cross_group_knn(client, u, groups, kmax, *, block_rows=None, **search_kwargs):
     """:func:`cachescore.neighbors.exact.cross_group_knn` run as one task per query row range.
 
@@ -181,16 +174,9 @@ def distributed_cross_group_knn(client, u, groups, kmax, *, block_rows=None, **s
 
     Raises
     ------
-    NotImplementedError
-        The installed ``cross_group_knn`` has no ``rows`` keyword (query-row restriction).
     ValueError
         As ``cross_group_knn`` (raised by the first failing task), or ``block_rows < 1``.
     """
-    if not _cross_group_supports_rows():
-        raise NotImplementedError(
-            "cachescore.neighbors.exact.cross_group_knn has no 'rows' keyword; distributed_cross_group_knn "
-            "needs it to search one query row range per task"
-        )
     u = _rows(u)
     n = u.shape[0]
     b = _block_rows(block_rows)

@@ -44,7 +44,7 @@ def _nan(x) -> float:
 class _RecordingAnnSearch:
     """An ANN neighbour backend for ``compute_with`` that keeps the recall it measured.
 
-    Wraps engineer F's ``*_with_recall`` searches (pynndescent candidates + exact refinement,
+    Wraps the ANN backend's ``*_with_recall`` searches (pynndescent candidates + exact refinement,
     recall measured against exact search on ``recall_sample`` seeded queries per call). The metric
     may call it once per scope (and more than once per scope); :attr:`recall` is the worst
     measured recall over all calls (NaN if it was never called).
