@@ -1,4 +1,6 @@
-"""Large-scale neighbour-search benchmark: exact (blocked GEMM) vs ANN (pynndescent + exact refinement).
+"""Large-scale neighbour-search benchmark: exact (blocked GEMM) vs ANN (``--method ivf``: k-means
+partition + exact GEMMs over probed rows, the default; ``--method graph``: pynndescent + exact
+refinement).
 
 What it does
 ------------
@@ -15,7 +17,9 @@ What it does
      ``--exact-rows`` rows and **extrapolates quadratically** (cost ∝ n² · d), printing both the
      measured and the extrapolated time; ``--exact skip`` skips them.
    * ``ann``: ``cross_group_knn_ann_with_recall`` / ``typed_knn_ann_with_recall`` with their
-     measured recall (against exact search on ``--recall-queries`` sampled rows).
+     measured recall (against exact search on ``--recall-queries`` sampled rows), the method, the
+     calibrated probe fraction and whether the exact engine answered (``exact_path`` /
+     ``exact_cells``: the ivf typed search falls back to it when probing cannot prune).
 3. Prints wall time, peak RSS of this process during each phase (Linux: ``VmHWM`` reset through
    ``/proc/self/clear_refs``; elsewhere the process-lifetime ``ru_maxrss``), recall and the
    exact/ANN speed ratio; ``--json`` also writes them to a file.
@@ -29,8 +33,8 @@ Examples::
     python benchmarks/cache_scale.py --rows 200000 --exact sample        # the 200k view
     python benchmarks/cache_scale.py --rows 1000000 --exact skip         # 1M ANN-only scope
 
-The numba JIT of pynndescent (~100 s on a cold process) is paid in a separate ``warm_up`` phase and
-reported, so it does not pollute the ANN timings.
+With ``--method graph`` the numba JIT of pynndescent (~100 s on a cold process) is paid in a
+separate ``warm_up`` phase and reported, so it does not pollute the ANN timings.
 """
 
 from __future__ import annotations
@@ -140,6 +144,7 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", default=None, help="where the .npy goes (default: a temp dir)")
     p.add_argument("--n-jobs", type=int, default=1, help="numba threads for pynndescent")
     p.add_argument("--proxy-dim", type=int, default=None, help="ANN graph on a projection (see ann.project_rows)")
+    p.add_argument("--method", choices=("ivf", "graph"), default="ivf", help="ANN method (see neighbors.ann)")
     p.add_argument("--skip-typed", action="store_true", help="only the cross-group search")
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
     a = p.parse_args(argv)
@@ -166,8 +171,9 @@ def main(argv=None) -> int:
         e["data_mib"] = round(n * d * 4 / 2**20, 1)
         e["groups"] = int(groups.max() + 1)
 
-    with phase("warm_up (numba JIT)", results):
-        warm_up()
+    if a.method == "graph":
+        with phase("warm_up (numba JIT)", results):
+            warm_up()
 
     if a.exact != "skip":
         from cachescore.neighbors.exact import cross_group_knn
@@ -193,18 +199,19 @@ def main(argv=None) -> int:
     with phase("ann cross_group_knn", results) as e:
         r = ann.cross_group_knn_ann_with_recall(
             u, groups, a.kmax, recall_target=a.recall_target, random_state=a.seed,
-            n_recall_queries=a.recall_queries, n_jobs=a.n_jobs, proxy_dim=a.proxy_dim,
+            n_recall_queries=a.recall_queries, n_jobs=a.n_jobs, proxy_dim=a.proxy_dim, method=a.method,
         )
-        e.update(recall=round(r.recall, 5), rounds=r.rounds, width=r.candidate_width, exact_path=r.exact)
+        e.update(recall=round(r.recall, 5), rounds=r.rounds, method=r.method, probe_fraction=r.probe_fraction,
+                 clusters=r.n_clusters, exact_path=r.exact)
         del r
     if not a.skip_typed:
         with phase("ann typed_knn", results) as e:
             t = ann.typed_knn_ann_with_recall(
                 u, labels, conf, groups, a.m, recall_target=a.recall_target, random_state=a.seed,
-                n_recall_queries=a.recall_queries, n_jobs=a.n_jobs, proxy_dim=a.proxy_dim,
+                n_recall_queries=a.recall_queries, n_jobs=a.n_jobs, proxy_dim=a.proxy_dim, method=a.method,
             )
-            e.update(recall=round(t.recall, 5), rounds=t.rounds, graph_cells=t.n_cells - t.exact_cells,
-                     brute_cells=t.exact_cells)
+            e.update(recall=round(t.recall, 5), rounds=t.rounds, method=t.method, probe_fraction=t.probe_fraction,
+                     exact_cells=t.exact_cells, cells=t.n_cells)
             del t
 
     print("summary:")

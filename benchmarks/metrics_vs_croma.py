@@ -28,6 +28,7 @@ figures taken at similar load only.
 
     python benchmarks/metrics_vs_croma.py --sizes 2000            # quick check (~1-2 min)
     python benchmarks/metrics_vs_croma.py --sizes 2000 4000 8000  # the full table (quiet machine)
+    python benchmarks/metrics_vs_croma.py --regime confounded --sizes 8000
 """
 
 from __future__ import annotations
@@ -45,14 +46,24 @@ K_CANDIDATES = [5, 11, 21]
 CONF = "center"
 
 
-def synthetic_view(n: int, dim: int = 384, tiles_per_slide: int = 20, seed: int = 0):
-    """Float32 features and a croma manifest: 2 labels x 4 confounders, slides of 20 tiles."""
+#: (label offset, confounder offset) standard deviations per regime.
+REGIMES = {"balanced": (0.35, 0.35), "confounded": (0.15, 0.6)}
+
+
+def synthetic_view(n: int, dim: int = 384, tiles_per_slide: int = 20, seed: int = 0, regime: str = "balanced"):
+    """Float32 features and a croma manifest: 2 labels x 4 confounders, slides of 20 tiles.
+
+    ``regime``: ``balanced`` (label and confounder offsets of equal scale) or ``confounded``
+    (the confounder offset 4x the label offset: other-label same-confounder neighbours are near,
+    same-label other-confounder ones far, the case CRoMa exists to detect).
+    """
     rng = np.random.default_rng(seed)
     slide = np.arange(n) // tiles_per_slide
     label = slide % 2
     conf = (slide // 2) % 4
-    lab_off = rng.normal(0, 0.35, size=(2, dim))
-    conf_off = rng.normal(0, 0.35, size=(4, dim))
+    lab_sd, conf_sd = REGIMES[regime]
+    lab_off = rng.normal(0, lab_sd, size=(2, dim))
+    conf_off = rng.normal(0, conf_sd, size=(4, dim))
     slide_off = rng.normal(0, 0.2, size=(int(slide.max()) + 1, dim))
     x = lab_off[label] + conf_off[conf] + slide_off[slide] + rng.standard_normal((n, dim))
     df = pd.DataFrame(
@@ -107,6 +118,15 @@ def search_gflops(x: np.ndarray, groups: np.ndarray, kmax: int) -> tuple[float, 
     return el, flops / 1e9, flops / el / 1e9, 2.0 * n * n * d / el / 1e9
 
 
+def _search_threads(n: int) -> int:
+    """Python threads the default whole-scope search uses at this N (tile pairs shared)."""
+    from cachescore.neighbors import exact
+
+    tile = exact._tile_size(n, np.float32)
+    blocks = -(-n // tile)
+    return exact._thread_count(None, blocks * (blocks + 1) // 2)
+
+
 def timed(fn, *args, **kwargs):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -141,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-croma-above", type=int, default=8000, help="run croma only for N <= this")
     parser.add_argument("--gemm", type=int, default=4096, help="size n of the n x n x D GEMM probe")
     parser.add_argument("--m", type=int, default=5)
+    parser.add_argument("--regime", choices=sorted(REGIMES), default="balanced",
+                        help="synthetic data: balanced offsets, or a confounder offset above the label offset")
     args = parser.parse_args(argv)
 
     import croma
@@ -154,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         CRoMa = None
         print(f"# cachescore.metrics.croma not importable ({exc!r}); CRoMa rows skipped")
 
+    lab_sd, conf_sd = REGIMES[args.regime]
+    print(f"# regime {args.regime}: label offset sd {lab_sd}, confounder offset sd {conf_sd}")
     print(f"# python {platform.python_version()}, numpy {np.__version__}, croma {croma.__version__}, {platform.machine()}")
     gemm = gemm_gflops(args.gemm, args.dim)
     print(f"# float32 GEMM {args.gemm}x{args.gemm}x{args.dim}: {gemm:.1f} GFLOP/s (load {load_average()})")
@@ -164,14 +188,17 @@ def main(argv: list[str] | None = None) -> int:
     if CRoMa is not None:
         timed(CRoMa.compute, xw, dfw, confounder_column=CONF, m=args.m)
         timed(croma.CRoMa.compute, xw, dfw, confounder_column=CONF, m=args.m)
+    xs, dfs = synthetic_view(1600, args.dim, seed=1)  # multi-tile: starts the search's thread pool path
+    timed(RI.compute, xs, dfs, confounder_column=CONF, k_candidates=K_CANDIDATES)
     print(f"{'N':>6} {'metric':<6} {'croma s':>9} {'ours s':>8} {'speed-up':>9} {'load':>5}  agreement")
     sys.stdout.flush()
     for n in args.sizes:
-        x, df = synthetic_view(n, args.dim)
+        x, df = synthetic_view(n, args.dim, regime=args.regime)
         groups = pd.factorize(df["group_id"])[0]
         el, done, gf, gf_full = search_gflops(x, groups, max(K_CANDIDATES))
+        threads = _search_threads(n)
         print(
-            f"# N={n}: exact cross_group_knn (kmax={max(K_CANDIDATES)}) {el:.3f} s; performed {done:.2f} GFLOP "
+            f"# N={n}: exact cross_group_knn (kmax={max(K_CANDIDATES)}, {threads} threads) {el:.3f} s; performed {done:.2f} GFLOP "
             f"-> {gf:.1f} GFLOP/s = {gf / gemm:.0%} of GEMM; 2n^2D equivalent {2.0 * n * n * args.dim / 1e9:.2f} "
             f"GFLOP -> {gf_full:.1f} GFLOP/s = {gf_full / gemm:.0%} of GEMM (load {load_average()})"
         )

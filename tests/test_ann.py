@@ -10,14 +10,20 @@ What is pinned, and against which oracle:
   per-slide offsets) for the cross-group and the typed search, measured on *all* rows, not on the
   backend's own audit sample;
 * same ``random_state`` -> identical output;
-* :func:`measure_recall` counts exactly the neighbours a perturbed table lost.
+* :func:`measure_recall` counts exactly the neighbours a perturbed table lost;
+* the default ``method="ivf"`` (k-means partition, probed clusters searched exactly by GEMM):
+  recall >= 0.99 on every row against the exact engines, the recall it reports equals an
+  independent :func:`measure_recall` on the same rows, fallback to the exact engines, the packed
+  uint64 merge equals the three-key lexsort merge (ties included), and CRoMa computed through
+  ``typed_knn_ann`` equals CRoMa through the exact typed engine (regression: a contiguous
+  target-row slice used to run past its cell, IndexError).
 
 Near ties: two kernels (GEMM here, a batched dot product in the refinement) may give one pair
 distances that differ by a few ulps (spec/metrics.md §12.3). Comparisons therefore allow an
 index swap only between neighbours whose distances are within ``distance_tol(dtype, d)`` (= sqrt(d)·eps, see its docstring for the measured maxima) of each other, and
 assert distances within that tolerance.
 
-Tests that build pynndescent graphs are ``slow``: numba compiles pynndescent for ~100 s in every
+Tests that build pynndescent graphs (``method="graph"``) are ``slow``: numba compiles pynndescent for ~100 s in every
 fresh process (most of its kernels are not cacheable).
 """
 
@@ -356,7 +362,7 @@ def data_f32():
 @pytest.mark.slow
 def test_ann_cross_group_recall_and_exact_distances(warm, data_f32):
     u, _, _, groups = data_f32
-    r = ann.cross_group_knn_ann_with_recall(u, groups, 50, random_state=0, n_recall_queries=300)
+    r = ann.cross_group_knn_ann_with_recall(u, groups, 50, random_state=0, n_recall_queries=300, method="graph")
     assert not r.exact and r.recall >= 0.99
     check_contract(u, groups, r.idx, r.dist, 50)
     ref_i, ref_d = exact_oracle(u, groups, 50)
@@ -366,7 +372,7 @@ def test_ann_cross_group_recall_and_exact_distances(warm, data_f32):
     hit = r.idx == ref_i
     np.testing.assert_allclose(r.dist[hit], ref_d[hit], rtol=0, atol=tol)
     # a second call with the same seed is identical
-    again = ann.cross_group_knn_ann_with_recall(u, groups, 50, random_state=0, n_recall_queries=300)
+    again = ann.cross_group_knn_ann_with_recall(u, groups, 50, random_state=0, n_recall_queries=300, method="graph")
     np.testing.assert_array_equal(again.idx, r.idx)
     np.testing.assert_array_equal(again.dist, r.dist)
     assert again.recall == r.recall and again.rounds == r.rounds
@@ -377,7 +383,7 @@ def test_ann_float64_and_zero_rows(warm):
     u, _, _, groups = clustered(3000, 64, seed=12, dtype=np.float64)
     u = u.copy()
     u[[5, 1000]] = 0.0  # zero rows: distance exactly 1 to every row
-    idx, dist = ann.cross_group_knn_ann(u, groups, 30, random_state=1, n_recall_queries=200)
+    idx, dist = ann.cross_group_knn_ann(u, groups, 30, random_state=1, n_recall_queries=200, method="graph")
     check_contract(u, groups, idx, dist, 30)
     ref_i, ref_d = exact_oracle(u, groups, 30)
     assert full_recall(dist, ref_d, ann.distance_tol(u.dtype, u.shape[1])) >= 0.99
@@ -391,7 +397,7 @@ def test_ann_typed_recall_vs_typed_engine(warm, monkeypatch):
     u, labels, conf, groups = clustered(8000, 64, seed=13)
     monkeypatch.setattr(ann, "BRUTE_MAX_ROWS", 100)  # every target cell gets a graph
     monkeypatch.setattr(ann, "TYPED_BRUTE_MAX_ROWS", 100)
-    r = ann.typed_knn_ann_with_recall(u, labels, conf, groups, 10, random_state=0, n_recall_queries=300)
+    r = ann.typed_knn_ann_with_recall(u, labels, conf, groups, 10, random_state=0, n_recall_queries=300, method="graph")
     assert r.exact_cells == 0 and r.n_cells == 8 and r.recall >= 0.99
     so, os_ = typed_knn(u, labels, conf, groups, 10)
     tol = ann.distance_tol(u.dtype, u.shape[1])
@@ -399,7 +405,7 @@ def test_ann_typed_recall_vs_typed_engine(warm, monkeypatch):
         assert full_recall(got, exp, tol) >= 0.99
         assert (np.diff(got, axis=1) >= 0).all()
         assert (got >= exp - tol).all()  # exact recomputation: never closer than the truth
-    again = ann.typed_knn_ann(u, labels, conf, groups, 10, random_state=0, n_recall_queries=300)
+    again = ann.typed_knn_ann(u, labels, conf, groups, 10, random_state=0, n_recall_queries=300, method="graph")
     np.testing.assert_array_equal(again[0], r.so_dist)
     np.testing.assert_array_equal(again[1], r.os_dist)
 
@@ -410,7 +416,7 @@ def test_recall_target_error_when_widening_is_forbidden(warm, data_f32):
     with pytest.raises(ann.RecallTargetError, match=r"recall 0\.\d+ < target 1\.0 .* after 0 widening"):
         ann.cross_group_knn_ann(
             u, groups, 100, recall_target=1.0, random_state=0, n_neighbors=4, epsilon=0.0,
-            max_rounds=0, n_recall_queries=300,
+            max_rounds=0, n_recall_queries=300, method="graph",
         )
 
 
@@ -424,3 +430,150 @@ def test_project_rows_is_a_normalised_float32_proxy():
     assert norms[7] == 0.0
     np.testing.assert_allclose(np.delete(norms, 7), 1.0, atol=1e-6)
     np.testing.assert_array_equal(z, ann.project_rows(u, 16, random_state=0, sample=1000))
+
+
+# ------------------------------------------------------------------------------------------
+# method="ivf" (default): no numba, fast
+
+
+def test_brute_on_a_contiguous_target_slice_inside_the_scope():
+    """Regression: target rows forming a slice that is not at the end of ``u`` (a target cell)."""
+    u, _, _, groups = clustered(900, 16, seed=21, smin=5, smax=20)
+    trows = np.arange(100, 250)
+    q = np.arange(0, 900, 7)
+    idx, dist = ann._brute(u, groups, q, trows, 12, block=64)
+    full = cosine_distance_block(u[q], u[trows]).astype(np.float64)
+    full[groups[q][:, None] == groups[trows][None, :]] = np.inf
+    order = np.lexsort((np.broadcast_to(trows, full.shape), full), axis=1)[:, :12]
+    exp_d = np.take_along_axis(full, order, 1)
+    exp_i = np.where(np.isfinite(exp_d), trows[order], -1)
+    # another tile shape may move a float32 distance by an ulp (module docstring): near-tie rule
+    assert_same_neighbours(idx, dist, exp_i, exp_d, ann.distance_tol(u.dtype, u.shape[1]))
+    assert set(np.unique(idx[idx >= 0])) <= set(trows)
+
+
+@pytest.mark.parametrize("method", ["ivf", "graph"])
+def test_croma_through_typed_knn_ann_equals_exact(method, monkeypatch):
+    """CRoMa end to end with the ANN typed backend: equal to CRoMa with the exact typed engine.
+
+    The scopes are small, so both methods answer exactly (brute force per target cell for
+    "graph", the IVF exact fallback or full probing for "ivf", forced below its size threshold):
+    the values must be identical, not merely close."""
+    import pandas as pd
+
+    from cachescore.metrics.croma import CRoMa
+
+    monkeypatch.setattr(ann, "TYPED_BRUTE_MAX_ROWS", 100 if method == "ivf" else ann.TYPED_BRUTE_MAX_ROWS)
+    monkeypatch.setattr(ann, "IVF_ROWS_PER_CLUSTER", 64)
+    rng = np.random.default_rng(5)
+    n = 600
+    # rows sorted by cell: every target cell is a contiguous slice (the regression's trigger)
+    labels, confs = np.sort(rng.integers(0, 2, n)), rng.integers(0, 3, n)
+    confs = np.concatenate([np.sort(confs[labels == v]) for v in (0, 1)])
+    groups = rng.integers(0, 90, n)
+    x = (rng.standard_normal((n, 12)) + np.eye(12)[labels] + np.eye(12)[2 + confs]).astype(np.float32)
+    df = pd.DataFrame({"label": labels, "center": confs, "group_id": groups, "sample_id": np.arange(n),
+                       "image_path": [f"img{i}.png" for i in range(n)]})
+    kw = dict(confounder_column="center", m=[3, 1], start_k=5)
+
+    def search(*a):
+        return ann.typed_knn_ann(*a, random_state=0, method=method, probe_fraction=1.0 if method == "ivf" else None)
+
+    want = CRoMa.compute_with(typed_knn, x, df, **kw)
+    got = CRoMa.compute_with(search, x, df, **kw)
+    assert set(got) == set(want)
+    for key in want:
+        for name in ("value", "std", "q_alpha", "ltm_alpha", "f0", "k_start", "k_final", "retries", "n_pairs"):
+            assert getattr(got[key], name) == getattr(want[key], name), (key, name)
+        np.testing.assert_array_equal(got[key].sample_values, want[key].sample_values)
+
+
+@pytest.fixture(scope="module")
+def ivf_data():
+    return clustered(8000, 48, seed=31, n_conf=4, smin=10, smax=60)
+
+
+def test_ivf_cross_group_recall_contract_and_reported_recall(ivf_data, monkeypatch):
+    monkeypatch.setattr(ann, "IVF_ROWS_PER_CLUSTER", 500)
+    u, _, _, groups = ivf_data
+    r = ann.cross_group_knn_ann_with_recall(u, groups, 30, random_state=0, n_recall_queries=400)
+    assert r.method == "ivf" and r.n_clusters == 16 and not r.exact and r.probe_fraction < 1
+    assert r.recall >= 0.99
+    check_contract(u, groups, r.idx, r.dist, 30)
+    ref_i, ref_d = exact_oracle(u, groups, 30)
+    tol = ann.distance_tol(u.dtype, u.shape[1])
+    assert full_recall(r.dist, ref_d, tol) >= 0.99  # every row, not the audit sample
+    assert (r.dist >= ref_d - tol).all()  # exact distances: never closer than the truth
+    # the reported recall is the measured one on the audit rows (independent recomputation)
+    assert r.recall == ann.measure_recall(u, groups, r.idx, n_queries=400, random_state=0)
+    again = ann.cross_group_knn_ann_with_recall(u, groups, 30, random_state=0, n_recall_queries=400)
+    np.testing.assert_array_equal(again.idx, r.idx)
+    np.testing.assert_array_equal(again.dist, r.dist)
+
+
+def test_ivf_full_probe_falls_back_to_exact_engine(ivf_data):
+    u, labels, conf, groups = ivf_data
+    r = ann.cross_group_knn_ann_with_recall(u, groups, 20, random_state=0, probe_fraction=1.0)
+    assert r.exact and r.recall == 1.0
+    ref_i, ref_d = exact_oracle(u, groups, 20)
+    np.testing.assert_array_equal(r.idx, ref_i)
+    np.testing.assert_array_equal(r.dist, ref_d)
+    t = ann.typed_knn_ann_with_recall(u, labels, conf, groups, 5, random_state=0, probe_fraction=1.0)
+    so, os_ = typed_knn(u, labels, conf, groups, 5)
+    assert t.exact_cells == t.n_cells == 8 and t.recall == 1.0
+    np.testing.assert_array_equal(t.so_dist, so)
+    np.testing.assert_array_equal(t.os_dist, os_)
+
+
+def test_ivf_recall_target_error_on_structureless_data(monkeypatch):
+    monkeypatch.setattr(ann, "IVF_ROWS_PER_CLUSTER", 250)
+    x = np.random.default_rng(0).standard_normal((4000, 32)).astype(np.float32)
+    u = normalize_rows(x)
+    groups = np.arange(4000) // 10
+    with pytest.raises(ann.RecallTargetError, match=r"\(ivf\) cross-group search reached recall 0\.\d+ < target"):
+        ann.cross_group_knn_ann(u, groups, 20, random_state=0, probe_fraction=1 / 16, max_rounds=0)
+
+
+@pytest.mark.parametrize("frac", [None, 0.25])
+def test_ivf_typed_recall_vs_typed_engine(ivf_data, monkeypatch, frac):
+    monkeypatch.setattr(ann, "TYPED_BRUTE_MAX_ROWS", 100)
+    monkeypatch.setattr(ann, "IVF_ROWS_PER_CLUSTER", 500)
+    u, labels, conf, groups = ivf_data
+    target = 0.99 if frac is None else 0.5
+    r = ann.typed_knn_ann_with_recall(u, labels, conf, groups, 8, random_state=0, n_recall_queries=400,
+                                      probe_fraction=frac, recall_target=target)
+    assert r.method == "ivf" and r.recall >= target
+    so, os_ = typed_knn(u, labels, conf, groups, 8)
+    tol = ann.distance_tol(u.dtype, u.shape[1])
+    for got, exp in ((r.so_dist, so), (r.os_dist, os_)):
+        assert got.shape == exp.shape and got.dtype == np.float64
+        assert (np.diff(got, axis=1) >= 0).all()
+        assert (got >= exp - tol).all()
+    if frac is not None:
+        assert r.exact_cells == 0 and r.probe_fraction == frac  # the IVF search itself ran
+    # reported recall == an independent measurement on the same audit rows
+    if r.exact_cells == 0:
+        assert r.recall == ann.measure_typed_recall(u, labels, conf, groups, r.so_dist, r.os_dist,
+                                                    n_queries=400, random_state=0)
+    if frac is None:
+        assert full_recall(np.concatenate([r.so_dist, r.os_dist]), np.concatenate([so, os_]), tol) >= 0.99
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_packed_key_merge_equals_lexsort_merge_with_ties(seed):
+    rng = np.random.default_rng(seed)
+    b, w, k = 50, 300, 17
+    dist = (rng.integers(0, 40, (b, w)) / 32).astype(np.float32)  # many exact ties
+    dist[rng.random((b, w)) < 0.2] = np.inf
+    tids = rng.permutation(5000)[:w].astype(np.int64)
+    acc32 = (np.full((b, k), -1, np.int64), np.full((b, k), np.inf))
+    acc64 = (np.full((b, k), -1, np.int64), np.full((b, k), np.inf))
+    for half in (slice(0, 150), slice(150, 300)):  # two tiles: the second merges into the first
+        ann._merge_tile(*acc32, np.ascontiguousarray(dist[:, half]), tids[half], k)
+        ann._merge_tile(*acc64, dist[:, half].astype(np.float64), tids[half], k)
+    np.testing.assert_array_equal(acc32[0], acc64[0])
+    np.testing.assert_array_equal(acc32[1], acc64[1])
+    ref = np.lexsort((np.broadcast_to(tids, dist.shape), dist), axis=1)[:, :k]
+    exp_d = np.take_along_axis(dist, ref, 1).astype(np.float64)
+    np.testing.assert_array_equal(acc32[1], exp_d)
+    np.testing.assert_array_equal(acc32[0], np.where(np.isfinite(exp_d), tids[ref], -1))

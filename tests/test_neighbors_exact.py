@@ -264,3 +264,65 @@ def test_row_range_shapes_and_validation():
         cross_group_knn(u, g, 3, rows=[1, 2])
     with pytest.raises(ValueError, match="block sizes"):
         cross_group_knn(u, g, 3, block_rows=0)
+
+
+# --- tile pairs on several Python threads -------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["dyadic64", "dyadic32", "gaussian32", "gaussian64"])
+@pytest.mark.parametrize("trial", range(2))
+def test_threaded_search_equals_single_thread_bit_for_bit(global_seed, trial, kind):
+    """Per-thread lists merged at the end give the same tables as one thread, ties included.
+
+    Dyadic rows: exact ties everywhere, so the cross-thread merge's index tie-break is exercised;
+    Gaussian rows: the same GEMM bits whichever thread (BLAS pinned to one thread) computes a tile.
+    """
+    rng = np.random.default_rng([global_seed, trial, 30])
+    n = int(rng.integers(200, 600))
+    groups = _grouping(rng, n, "random" if trial % 2 else "contiguous")
+    kmax = int(rng.integers(1, 40))
+    if kind.startswith("dyadic"):
+        u = dyadic_rows(rng, n, d=4).astype(np.float64 if kind.endswith("64") else np.float32)
+    else:
+        u = normalize_rows(rng.standard_normal((n, 32)).astype(np.float32 if kind.endswith("32") else np.float64))
+    for tile in (17, 64, 150):
+        one = cross_group_knn(u, groups, kmax, block_rows=tile, n_threads=1)
+        for threads in (2, 3) if tile > 17 else (2, 50):
+            many = cross_group_knn(u, groups, kmax, block_rows=tile, n_threads=threads)
+            np.testing.assert_array_equal(many[0], one[0], err_msg=f"tile {tile}, {threads} threads")
+            np.testing.assert_array_equal(many[1], one[1], err_msg=f"tile {tile}, {threads} threads")
+        if kind.startswith("dyadic"):  # exact dot products: the oracle's bits too
+            want_idx, want_dist = brute_force(u, groups, kmax)
+            np.testing.assert_array_equal(one[0], want_idx)
+            np.testing.assert_array_equal(one[1], want_dist)
+
+
+def test_threaded_search_restores_blas_threads_and_validates():
+    from threadpoolctl import threadpool_info
+
+    from cachescore.neighbors import exact
+
+    rng = np.random.default_rng(31)
+    u = normalize_rows(rng.standard_normal((300, 16)).astype(np.float32))
+    groups = np.repeat(np.arange(60), 5)
+    before = [i["num_threads"] for i in threadpool_info()]
+    cross_group_knn(u, groups, 5, block_rows=50, n_threads=2)
+    assert [i["num_threads"] for i in threadpool_info()] == before
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match="n_threads"):
+            cross_group_knn(u, groups, 5, n_threads=bad)
+    assert exact._thread_count(None, 1) == 1  # one tile pair: nothing to share
+    assert exact._thread_count(4, 3) == 3
+
+
+def test_default_threads_respect_a_pinned_blas(monkeypatch):
+    """Inside a caller that pinned BLAS to one thread (a Dask worker), the default is 1 thread."""
+    from threadpoolctl import threadpool_limits
+
+    from cachescore.neighbors import exact
+
+    monkeypatch.setattr(exact, "_usable_cores", lambda: 4)
+    with threadpool_limits(limits=1, user_api="blas"):
+        assert exact._thread_count(None, 10) == 1
+    if exact._blas_threads() > 1:
+        assert exact._thread_count(None, 10) == 4

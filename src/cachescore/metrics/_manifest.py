@@ -176,6 +176,16 @@ def _strip(v: object) -> str:
     return str(v).strip()
 
 
+def _strip_column(col: pd.Series, missing_as_blank: bool = False) -> pd.Series:
+    """``col.map(_strip)`` (missing → ``""`` when ``missing_as_blank``), vectorised for the common
+    case of a pandas string column without missing values (same values, same dtype)."""
+    if isinstance(col.dtype, pd.StringDtype) and not col.isna().any():
+        return col.str.strip()
+    if missing_as_blank:
+        return col.map(lambda v: "" if _is_missing(v) else _strip(v))
+    return col.map(_strip)
+
+
 def normalize_manifest(df: pd.DataFrame, *, confounder_column, source: str = "manifest") -> pd.DataFrame:
     """Return a normalised copy (spec §1.2): string-stripped columns, a canonical ``confounder``
     column, a 0..N-1 index.
@@ -199,8 +209,8 @@ def normalize_manifest(df: pd.DataFrame, *, confounder_column, source: str = "ma
 
     out = df.copy()
     for name in ("sample_id", "label", "image_path"):
-        out[name] = out[name].map(_strip)
-    groups = out[GROUP_COLUMN].map(lambda v: "" if _is_missing(v) else _strip(v))
+        out[name] = _strip_column(out[name])
+    groups = _strip_column(out[GROUP_COLUMN], missing_as_blank=True)
     blank = np.flatnonzero(groups.to_numpy(dtype=object) == "")
     if blank.size:
         shown = [int(i) for i in blank[:5]]
@@ -210,9 +220,9 @@ def normalize_manifest(df: pd.DataFrame, *, confounder_column, source: str = "ma
             f"non-empty {GROUP_COLUMN} naming its independence group (slide, case, patient, ...)"
         )
     out[GROUP_COLUMN] = groups
-    out["confounder"] = out[column].map(_strip)
+    out["confounder"] = _strip_column(out[column])
     if "subset" in out.columns:
-        out["subset"] = out["subset"].map(_strip)
+        out["subset"] = _strip_column(out["subset"])
     out.attrs["confounder_column"] = column
     return out.reset_index(drop=True)
 

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 
 from ..neighbors.normalize import normalize_rows
-from ..neighbors.typed import count_within, typed_knn, typed_knn_and_counts
+from ..neighbors.typed import count_within, search_threads, typed_knn, typed_knn_and_counts
 from ..types import CRoMaResult
 from ._manifest import Scope, check_features, check_finite_rows, coerce_manifest, normalize_design, prepare
 from .tail import compute_tail_metrics, confounder_dominant_fraction
@@ -115,7 +116,7 @@ def _scope_schedule(
     return croma_schedule(scope.n, start_k, k_growth_factor, int(need.max()))
 
 
-def _fused_search(u, scope: Scope, m_max, *, start_k, k_growth_factor):
+def _fused_search(u, scope: Scope, m_max, *, start_k, k_growth_factor, threads=None):
     """The default exact backend with the counting pass sharing the typed search's GEMMs
     (:func:`cachescore.neighbors.typed.typed_knn_and_counts`): ``(so, os, schedule)``."""
     decided = {}
@@ -126,7 +127,9 @@ def _fused_search(u, scope: Scope, m_max, *, start_k, k_growth_factor):
         )
         return radius
 
-    so, os_, need = typed_knn_and_counts(u, scope.labels, scope.confounders, scope.groups, m_max, radius_for)
+    so, os_, need = typed_knn_and_counts(
+        u, scope.labels, scope.confounders, scope.groups, m_max, radius_for, threads=threads
+    )
     if need is not None:
         return so, os_, croma_schedule(scope.n, start_k, k_growth_factor, int(need.max()))
     return so, os_, decided["schedule"]
@@ -238,6 +241,7 @@ class CrossConfounderRobustnessMargin:
         k_growth_factor=2.0,
         schedule_diagnostics=True,
         count_search=None,
+        threads=None,
     ):
         """:meth:`compute` with an injected typed-neighbour backend.
 
@@ -260,9 +264,18 @@ class CrossConfounderRobustnessMargin:
         backends (``typed_search is typed_knn``, no ``count_search``) both passes run fused
         (:func:`~cachescore.neighbors.typed.typed_knn_and_counts`): the typed cell pairs' GEMMs
         serve the count too.
+
+        ``threads``: Python threads of the default exact kernels (``typed_knn`` when it is the
+        backend, the default counting pass, the fused pair; default
+        :func:`cachescore.neighbors.typed.search_threads`: the CPU affinity, 1 inside a Dask
+        worker task). BLAS is pinned to one thread during those kernels; results are
+        bit-identical for every value. Injected backends are called unchanged. ``ValueError``
+        when ``threads < 1``.
         """
         design = normalize_design(evaluation_design)
         ordered_m, single = _parse_m(m)
+        if threads is not None:
+            search_threads(threads)  # validate before any work
         if int(start_k) < 1:
             raise ValueError("start_k must be >= 1")
         if float(k_growth_factor) <= 1.0:
@@ -286,7 +299,11 @@ class CrossConfounderRobustnessMargin:
                 u = normalize_rows(features[scope.rows])
                 fused = typed_search is typed_knn and count_search is None and schedule_diagnostics
                 if fused:
-                    so, os_, diag = _fused_search(u, scope, m_max, start_k=start_k, k_growth_factor=k_growth_factor)
+                    so, os_, diag = _fused_search(
+                        u, scope, m_max, start_k=start_k, k_growth_factor=k_growth_factor, threads=threads
+                    )
+                elif typed_search is typed_knn:
+                    so, os_ = typed_knn(u, scope.labels, scope.confounders, scope.groups, m_max, threads=threads)
                 else:
                     so, os_ = typed_search(u, scope.labels, scope.confounders, scope.groups, m_max)
                 so = np.ascontiguousarray(so, dtype=np.float64)
@@ -304,7 +321,7 @@ class CrossConfounderRobustnessMargin:
                         start_k=start_k,
                         k_growth_factor=k_growth_factor,
                         count=schedule_diagnostics,
-                        count_search=count_within if count_search is None else count_search,
+                        count_search=partial(count_within, threads=threads) if count_search is None else count_search,
                     )
             else:
                 so = np.full((n, m_max), np.inf)

@@ -1,34 +1,43 @@
-"""Approximate neighbour search with exact refinement and a measured recall (spec/metrics.md §12.4).
+"""Approximate neighbour search with exact distances and a measured recall (spec/metrics.md §12.4).
 
 Same return contracts as the exact engines, so the metrics can swap backends:
 
 * :func:`cross_group_knn_ann` ↔ :func:`cachescore.neighbors.exact.cross_group_knn`;
 * :func:`typed_knn_ann` ↔ :func:`cachescore.neighbors.typed.typed_knn`.
 
-How a result is produced
-------------------------
-1. A pynndescent graph (``NNDescent``, metric ``"cosine"``) is built per scope: over all rows for
-   the cross-group search, over each (label, confounder) *target cell* for the typed search.
-2. Every query asks the graph for ``k + G + 1`` candidates (``G`` = largest group in the searched
-   rows), because up to ``G`` of them can be excluded as same-group rows.
-3. pynndescent's own distances are never used (float32 fast-math, and non-positive similarities are
-   mapped to "infinitely far"). For every candidate the distance is **recomputed** as
-   ``clip(1 - u_i·u_j, 0, 2)`` in ``u``'s dtype, same-group candidates are dropped and the rest are
-   re-ranked by ``(distance, index)``.
-4. The recall is **measured** against exact brute-force search on a random sample of queries. While
-   it is below ``recall_target`` the candidate set is widened (twice the query width, a larger
-   search ``epsilon``, and the graph neighbours of the neighbours kept so far) and step 3 is
-   repeated, for at most ``max_rounds`` widenings; then :class:`RecallTargetError` is raised.
+Two methods (``method=``):
+
+``"ivf"`` (default; no numba)
+    1. A spherical k-means partition of the scope (``ceil(n / IVF_ROWS_PER_CLUSTER)`` clusters,
+       centroids from a sample, every row assigned by one GEMM).
+    2. The rows of each cluster ``A`` are searched **exactly** (blocked GEMMs, same-group rows
+       excluded, top-k by (distance, index)) over the rows of the clusters nearest to ``A``'s
+       centroid, taken until they hold a *probe fraction* ``f`` of the searched rows (typed search:
+       per target cell, ``f`` of that cell). Work ``≈ f · n² · d``, all in BLAS.
+    3. ``f`` is calibrated before the search: the exact answers of a calibration sample (its own
+       seed) tell, for each candidate fraction of :data:`IVF_FRACTIONS`, how many true neighbours
+       the probed clusters hold; the smallest ``f`` reaching the target (plus half the remaining
+       margin) is used. When none does below :data:`IVF_EXACT_FRACTION` the exact engine answers
+       (recall 1; on isotropic data the partition cannot prune).
+    4. The recall is then **measured** on a separate audit sample against brute-force search;
+       below the target ``f`` doubles (at most ``max_rounds`` times), then
+       :class:`RecallTargetError`.
+
+``"graph"`` (pynndescent)
+    A pynndescent graph per scope (per target cell for the typed search) proposes ``k + G + 1``
+    candidates per query (``G`` = largest group), widened (query width, ``epsilon``, graph
+    neighbours of kept rows) while the measured recall is below the target. Candidate distances are
+    recomputed as ``clip(1 - u_i·u_j, 0, 2)`` in ``u``'s dtype; pynndescent's own are never used.
 
 Recall, as measured here, is tie-robust: for a sampled query with exact k-th distance ``r`` the
 number of returned neighbours at distance ``<= r + tol`` (at most k) over k, summed over queries.
-``tol`` (:func:`distance_tol`) absorbs the rounding difference between a batched dot product and the
-exact engines' GEMM (a few float32 ulps; spec §12.3). Rows returned are always
-valid (other group, exact distance); a miss only means a farther row took a slot.
+``tol`` (:func:`distance_tol`) absorbs the rounding difference between two kernels computing one
+pair (a few float32 ulps; spec §12.3). Rows returned are always valid (other group, exact
+distance); a miss only means a farther row took a slot.
 
-Memory: pynndescent holds a float32 copy of the searched rows plus a graph of ``n × n_neighbors``;
-candidate tables are processed in query blocks of bounded size (:data:`GATHER_BYTES`). No
-``n × n`` array is ever formed; the recall audit costs ``n_recall_queries × n × d`` flops.
+Memory: no ``n × n`` array; distance tiles are ``IVF_TILE_Q × IVF_TILE_T`` (ivf) and candidate
+tables are processed in query blocks of bounded size (graph: :data:`GATHER_BYTES`); pynndescent
+holds a float32 copy of the searched rows. The recall audit costs ``n_recall_queries × n × d``.
 """
 
 from __future__ import annotations
@@ -500,11 +509,17 @@ def measure_typed_recall(
 IVF_ROWS_PER_CLUSTER = 4096
 
 #: Probe fractions tried, in order, by the calibration (fraction of the searched rows probed).
-IVF_FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 1 / 2)
+IVF_FRACTIONS = (1 / 16, 1 / 8, 3 / 16, 1 / 4, 3 / 8, 1 / 2)
 
 #: Above this probe fraction the IVF search costs more than the symmetric exact engines (which
 #: compute each pair once for both rows), so the exact engine answers instead (recall 1).
 IVF_EXACT_FRACTION = 0.5
+
+#: The typed search answers exactly (:func:`cachescore.neighbors.typed.typed_knn`) above this
+#: probe fraction: that engine computes each related pair once for both rows, so an IVF search
+#: probing a fraction ``f`` of every target cell (``f · n² · d / 2``, one direction at a time)
+#: only pays off for small ``f`` (measured break-even ~0.3 at 60k × 768).
+IVF_TYPED_EXACT_FRACTION = 0.25
 
 #: Query rows × target rows handled in one distance tile of :func:`_knn_into`.
 IVF_TILE_Q, IVF_TILE_T = 1024, 8192
@@ -515,7 +530,7 @@ class _Partition:
     sorted global rows of cluster ``c``, ``order[c]`` the clusters by decreasing centroid
     similarity to ``c`` (``c`` itself first)."""
 
-    def __init__(self, u, n_clusters, seed, *, sample=None, iters=8, block=65536):
+    def __init__(self, u, n_clusters, seed, *, sample=None, iters=8, block=65536, keep_scores=False):
         n, d = u.shape
         c = int(max(1, min(n_clusters, n)))
         rng = np.random.default_rng(seed)
@@ -525,8 +540,11 @@ class _Partition:
         cent = x[rng.choice(size, size=c, replace=False)].copy()
         for _ in range(iters):
             lab = np.argmax(x @ cent.T, axis=1)
+            srt = np.argsort(lab, kind="stable")
+            cnt = np.bincount(lab, minlength=c)
             new = np.zeros_like(cent)
-            np.add.at(new, lab, x)
+            nz = np.flatnonzero(cnt)
+            new[nz] = np.add.reduceat(x[srt], np.concatenate([[0], np.cumsum(cnt)[:-1]])[nz], axis=0)
             norms = np.linalg.norm(new, axis=1)
             empty = norms == 0
             if empty.any():  # reseed empty clusters with random sample rows
@@ -536,8 +554,13 @@ class _Partition:
             cent = new / norms[:, None]
         self.centroids = cent
         cl = np.empty(n, dtype=np.int64)
+        #: (n, C) float32 centroid scores ``u · centroid`` when ``keep_scores`` (typed preselection)
+        self.scores = np.empty((n, c), dtype=np.float32) if keep_scores else None
         for s in range(0, n, block):
-            cl[s : s + block] = np.argmax(np.asarray(u[s : s + block], dtype=np.float32) @ cent.T, axis=1)
+            sc = np.asarray(u[s : s + block], dtype=np.float32) @ cent.T
+            cl[s : s + block] = np.argmax(sc, axis=1)
+            if keep_scores:
+                self.scores[s : s + block] = sc
         self.cluster = cl
         srt = np.argsort(cl, kind="stable")
         bounds = np.searchsorted(cl[srt], np.arange(c + 1))
@@ -661,24 +684,43 @@ def _ivf_cross(u, groups, part, frac, k, queries=None):
     return out_i, out_d
 
 
-def _ivf_typed(u, labels, confounders, groups, part, frac, m, queries=None):
-    """Typed (SO, OS) top-m (idx, dist) of ``queries`` (default all rows) probing, per target
-    cell, the clusters nearest to the query's cluster until ``frac`` of the cell is covered."""
+def _typed_thresholds(scores, cell_members, fractions):
+    """``(C, T, F)`` float32: for query cluster ``a`` and target cell ``t``, the score
+    ``u_x · centroid_a`` of the ``ceil(f · |t|)``-th best row of ``t`` (each fraction ``f``);
+    rows of ``t`` scoring at least that are searched (ties included), so the kept set grows with
+    ``f`` and ``f = 1`` keeps every row."""
+    c = scores.shape[1]
+    thr = np.full((c, len(cell_members), len(fractions)), -np.inf, dtype=np.float32)
+    for t, rows in enumerate(cell_members):
+        if rows.size == 0:
+            continue
+        desc = -np.sort(-scores[rows], axis=0)  # (|t|, C), best first per cluster
+        for i, f in enumerate(fractions):
+            if f < 1:
+                thr[:, t, i] = desc[min(rows.size, max(1, math.ceil(f * rows.size))) - 1]
+    return thr
+
+
+def _cells(labels, confounders):
+    keys, cell_of = np.unique(np.stack([labels, confounders], axis=1), axis=0, return_inverse=True)
+    cell_of = cell_of.ravel()
+    srt = np.argsort(cell_of, kind="stable")
+    bounds = np.searchsorted(cell_of[srt], np.arange(len(keys) + 1))
+    return keys, cell_of, [srt[bounds[t] : bounds[t + 1]] for t in range(len(keys))]
+
+
+def _ivf_typed(u, groups, part, cells, thr, m, queries=None):
+    """Typed (SO, OS) top-m (idx, dist) of ``queries`` (default all rows). Rows of query
+    cluster ``a`` and cell ``qc`` are searched exactly over the rows of each related target cell
+    ``t`` whose centroid score ``u_x · centroid_a`` reaches ``thr[a, t]`` (row-level
+    preselection: the part of a query shared with its cluster ranks the target rows)."""
+    keys, cell_of, members = cells
     n = u.shape[0]
     queries = np.arange(n, dtype=np.int64) if queries is None else queries
     pos = np.full(n, -1, np.int64)
     pos[queries] = np.arange(queries.size)
-    keys, cell_of = np.unique(np.stack([labels, confounders], axis=1), axis=0, return_inverse=True)
-    cell_of = cell_of.ravel()
-    n_cells = len(keys)
-    # rows of cell t in cluster c: sorted by (cell, cluster, row)
-    srt = np.lexsort((np.arange(n), part.cluster, cell_of))
-    key = cell_of[srt] * part.n_clusters + part.cluster[srt]
-    bounds = np.searchsorted(key, np.arange(n_cells * part.n_clusters + 1))
-    counts = np.diff(bounds).reshape(n_cells, part.n_clusters)
     so = (np.full((queries.size, m), -1, np.int64), np.full((queries.size, m), np.inf))
     os_ = (np.full((queries.size, m), -1, np.int64), np.full((queries.size, m), np.inf))
-    qcell = cell_of[queries]
     qclus = part.cluster[queries]
     for a in range(part.n_clusters):
         in_a = queries[qclus == a]
@@ -691,17 +733,14 @@ def _ivf_typed(u, labels, confounders, groups, part, frac, m, queries=None):
                 is_so = lt == lq and ct != cq
                 if not (is_so or (lt != lq and ct == cq)):
                     continue
-                probed = part.probe(a, frac, counts[t], counts[t].sum())
-                tr = np.sort(np.concatenate(
-                    [srt[bounds[t * part.n_clusters + b] : bounds[t * part.n_clusters + b + 1]] for b in probed]
-                ))
+                rows = members[t]
+                tr = rows[part.scores[rows, a] >= thr[a, t]]
                 acc = so if is_so else os_
                 at = pos[q]
                 bi = np.full((q.size, m), -1, np.int64)
                 bd = np.full((q.size, m), np.inf)
                 _knn_into(u, groups, q, tr, m, bi, bd)
                 acc[0][at], acc[1][at] = _merge((acc[0][at], acc[1][at]), (bi, bd), m)
-    del qcell
     return so, os_
 
 
@@ -782,34 +821,35 @@ def _ivf_cross_search(u, groups, kmax, *, target, seed, n_recall_queries, n_clus
 def _ivf_typed_search(u, labels, confounders, groups, m, *, target, seed, n_recall_queries, n_clusters,
                       probe_fraction, max_rounds):
     n = u.shape[0]
-    part = _Partition(u, n_clusters or math.ceil(n / IVF_ROWS_PER_CLUSTER), seed)
+    part = _Partition(u, n_clusters or math.ceil(n / IVF_ROWS_PER_CLUSTER), seed, keep_scores=True)
     tol = distance_tol(u.dtype, u.shape[1])
     audit = _sample(n, n_recall_queries, seed)
     calib_seed = None if seed is None else seed + 1
+    cells = _cells(labels, confounders)
+    _, cell_of, members = cells
     if probe_fraction is None:
         calib = _sample(n, max(2 * n_recall_queries, 2000), calib_seed)
         want = min(1.0, target + 0.5 * (1.0 - target))
-        keys, cell_of = np.unique(np.stack([labels, confounders], axis=1), axis=0, return_inverse=True)
-        cell_of = cell_of.ravel()
-        # probe levels per target cell: (cells, C, C)
-        lev_t = np.stack([
-            _probe_levels(part, IVF_FRACTIONS, np.bincount(part.cluster[cell_of == t], minlength=part.n_clusters))
-            for t in range(len(keys))
-        ])
+        thr = _typed_thresholds(part.scores, members, IVF_FRACTIONS)
         (s_i, s_d), (o_i, o_d) = exact_typed_rows(u, labels, confounders, groups, calib, m)
         qa = part.cluster[calib][:, None]
-        levels = [lev_t[cell_of[np.maximum(ti, 0)], qa, part.cluster[np.maximum(ti, 0)]] for ti in (s_i, o_i)]
+        levels = []
+        for ti in (s_i, o_i):
+            x = np.maximum(ti, 0)
+            # level = number of fractions whose threshold the true neighbour misses
+            levels.append((part.scores[x, qa][..., None] < thr[qa, cell_of[x]]).sum(axis=-1))
         frac = _calibrate(levels, [s_i, o_i], [s_d, o_d], tol, want, IVF_FRACTIONS)
     else:
         frac = float(probe_fraction)
     rounds = 0
     while True:
-        if frac > IVF_EXACT_FRACTION:
+        if frac > IVF_TYPED_EXACT_FRACTION:
             from .typed import typed_knn
 
             so_d, os_d = typed_knn(u, labels, confounders, groups, m)
             return so_d, os_d, 1.0, 0, rounds, 1.0, True
-        so, os_ = _ivf_typed(u, labels, confounders, groups, part, frac, m)
+        thr = _typed_thresholds(part.scores, members, [frac])[:, :, 0]
+        so, os_ = _ivf_typed(u, groups, part, cells, thr, m)
         (_, t_so), (_, t_os) = exact_typed_rows(u, labels, confounders, groups, audit, m)
         h1, n1 = _recall_counts(so[1][audit], t_so, tol)
         h2, n2 = _recall_counts(os_[1][audit], t_os, tol)
@@ -908,6 +948,14 @@ def cross_group_knn_ann_with_recall(
     block_rows, block_cols : int, optional
         Accepted for signature compatibility with the exact engines: the edge of the brute-force
         distance tiles (small scopes, the recall audit); results do not depend on them.
+    method : "ivf" (default) or "graph"
+        See the module docstring. ``n_neighbors``, ``epsilon``, ``n_expand``, ``metric``,
+        ``proxy_dim`` and ``n_jobs`` only apply to ``"graph"``.
+    n_clusters : int, optional
+        ivf: k-means clusters (default ``ceil(n / IVF_ROWS_PER_CLUSTER)``).
+    probe_fraction : float in (0, 1], optional
+        ivf: fraction of the rows probed per query cluster; default: calibrated (module
+        docstring). Above :data:`IVF_EXACT_FRACTION` the exact engine answers (``exact=True``).
 
     Returns
     -------
@@ -1027,9 +1075,16 @@ def typed_knn_ann_with_recall(
     n_clusters=None,
     probe_fraction=None,
 ) -> AnnTypedResult:
-    """Typed (SO / OS) neighbour distances by one pynndescent graph per target cell.
+    """Typed (SO / OS) neighbour distances with a measured recall.
 
-    For each (label, confounder) target cell ``t`` a graph is built over its rows and queried by
+    ``method="ivf"`` (default): scopes of at most ``TYPED_BRUTE_MAX_ROWS`` rows, or whose
+    calibrated probe fraction exceeds :data:`IVF_TYPED_EXACT_FRACTION`, are answered by the exact
+    typed engine (recall 1, ``exact_cells == n_cells``). Otherwise the rows of each k-means cluster
+    ``a`` are searched exactly, per related target cell ``t``, over the rows of ``t`` that score
+    best against ``a``'s centroid (the ``probe_fraction`` share of ``t``, ties included); the
+    fraction is calibrated and the recall audited as in :func:`cross_group_knn_ann_with_recall`.
+
+    ``method="graph"``: for each (label, confounder) target cell ``t`` a graph is built over its rows and queried by
     every row whose SO or OS pool contains ``t`` (same label xor same confounder), asking for
     ``m + G_t + 1`` candidates (``G_t`` = largest group inside ``t``). Candidates are refined
     exactly (same-group dropped, distances recomputed in u's dtype, ranked by (distance, index)),
@@ -1070,7 +1125,17 @@ def typed_knn_ann_with_recall(
     if block_rows is not None:
         _check_positive_int("block_rows", block_rows)
 
-    if method == "ivf" and n > TYPED_BRUTE_MAX_ROWS:
+    if method == "ivf" and n <= TYPED_BRUTE_MAX_ROWS:
+        # small scope: the exact typed engine (symmetric tiles) is faster than any probing
+        from .typed import typed_knn
+
+        so_d, os_d = typed_knn(u, labels, confounders, groups, m)
+        nc = len(np.unique(np.stack([labels, confounders], axis=1), axis=0)) if n else 0
+        return AnnTypedResult(
+            so_dist=so_d, os_dist=os_d, recall=1.0, recall_target=target, n_recall_queries=0,
+            rounds=0, n_cells=nc, exact_cells=nc, method="ivf", probe_fraction=1.0,
+        )
+    if method == "ivf":
         so_d, os_d, recall, nq, rounds, frac, exact = _ivf_typed_search(
             u, labels, confounders, groups, m, target=target, seed=seed,
             n_recall_queries=_check_positive_int("n_recall_queries", n_recall_queries),

@@ -23,9 +23,11 @@ as bound the ``kmax``-th largest of the maxima of ``4 kmax`` disjoint column chu
 final ``kmax``-th nearest is at least that near. Bounds keep a small slack (a superset of the
 true survivors). Exact distances ``clip(1 - S, 0, 2)`` — the arithmetic of
 :func:`~cachescore.neighbors.normalize.cosine_distance_block` — are computed for the survivors
-only. Each row's running list and its survivors are merged by a stable sort on distance:
-running entries precede the tile's and both are in increasing index order, so stability is the
-index tie-break.
+only. Each row's running list and its survivors are merged by one sort along the row: for
+float32 distances and int32 indices (the common case) of packed int64 keys ``bits(d) << 32 |
+index``, which order exactly like ``(distance, index)`` (a non-negative float's bits order like
+its value); otherwise a stable sort on distance, where running entries precede the tile's and
+both are in increasing index order, so stability is the index tie-break.
 
 Bits: a distance is one entry of one GEMM whichever side of the tile uses it, so
 ``d(i, j) == d(j, i)`` exactly. BLAS computes an entry with the same accumulation order over
@@ -33,13 +35,26 @@ Bits: a distance is one entry of one GEMM whichever side of the tile uses it, so
 query path of the reference give the same bits there; the contract (spec §12.3) only promises
 agreement to a few ulp.
 
+Threads: the tile pairs are shared by ``n_threads`` Python threads (default: the usable cores)
+pulling from one queue in the ``I <= J`` order; each keeps its own running lists, merged at the
+end by ``(distance, index)``. numpy's GEMM, comparisons, ``flatnonzero`` and sorts release the
+GIL, so one thread's selection overlaps another's GEMM. BLAS is pinned to one thread for the
+whole symmetric search (process-wide, threadpoolctl), whatever ``n_threads``: a two-thread
+OpenBLAS dgemm was seen to round some entries differently from a one-thread one, and the tables
+must not depend on the thread count (they do not: tested bit for bit).
+
 ``rows=`` restricts the search to a subset of query rows (for distributing one scope over
 workers); it runs the same selection over query-row × column tiles in increasing column order.
 """
 
 from __future__ import annotations
 
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
+from threadpoolctl import ThreadpoolController
 
 from .normalize import cosine_distance_block
 
@@ -50,6 +65,9 @@ _BLOCK_ENTRIES = 1 << 23
 #: Target edge of a square tile of the symmetric search (float32; float64: half). Large tiles keep
 #: BLAS efficient and the merges few; the diagonal tiles (computed whole) cost ~n·tile·d extra.
 _TILE = 2688
+#: Scope sizes from which the default tiling uses at least 2 / 3 row blocks (3 / 6 tile pairs).
+_SPLIT_2 = 768
+_SPLIT_3 = 1536
 #: Padded-matrix merge unless it would exceed 4× the merged entries plus this many slots.
 _FLAT_SLACK = 1 << 16
 
@@ -64,9 +82,14 @@ def default_block_sizes(n: int, dtype) -> tuple[int, int]:
 
 
 def _tile_size(n: int, dtype) -> int:
-    """Edge of the square tiles: ≤ ``_TILE`` (float64: half), equal tiles covering ``n``."""
+    """Edge of the square tiles: ≤ ``_TILE`` (float64: half), equal tiles covering ``n``.
+
+    At least 3 blocks (6 tile pairs) from ``_SPLIT_3`` rows on and 2 from ``_SPLIT_2`` on, so
+    the pairs can be shared by threads; independent of the thread count (results must be too).
+    """
     target = _TILE if np.dtype(dtype) == np.float32 else _TILE // 2
     blocks = -(-max(n, 1) // target)
+    blocks = max(blocks, 3 if n >= _SPLIT_3 else 2 if n >= _SPLIT_2 else 1)
     return -(-max(n, 1) // blocks)
 
 
@@ -137,6 +160,8 @@ class _Running:
         itype = np.int32 if n < np.iinfo(np.int32).max else np.int64
         self.dist = np.full((n, kk), np.inf, dtype=self.dtype)
         self.idx = np.full((n, kk), -1, dtype=itype)
+        # float32 distances and int32 indices: merges sort packed int64 (distance, index) keys
+        self.packed = self.f32 and itype == np.int32
         # similarity slack covering the rounding of 1 - S (a few ulp near 1) and of the bound's cast
         self.margin = 1e-6 if self.f32 else 4e-15
 
@@ -169,8 +194,9 @@ class _Running:
         The candidates of one row must come in increasing index order and have larger indices
         than that row's running entries (the visiting order guarantees both); ``grouped``: the
         candidates are already sorted by row. Each touched row's running list and candidates are
-        laid side by side in one padded matrix and sorted stably by distance along the row, so
-        equal distances keep index order: the ``(distance, index)`` order.
+        laid side by side in one padded matrix and sorted along the row: as packed
+        ``(distance, index)`` int64 keys (float32 / int32 lists), or stably by distance, so equal
+        distances keep index order: the ``(distance, index)`` order either way.
         """
         if rows.size == 0:
             return
@@ -189,8 +215,20 @@ class _Running:
         width = kk + int(counts.max())
         # exactly cosine_distance_block's arithmetic, on the candidates only
         cand_d = np.clip(np.subtract(1, cand_s), 0, 2)
+        cand_d += 0  # -0.0 -> +0.0 (packed keys order by bits); no other value changes
         if t * width > 4 * (t * kk + rows.size) + _FLAT_SLACK:
             self._merge_flat(r0, touched, np.repeat(np.arange(t), counts), cand_d, cand_i)
+            return
+        starts = np.cumsum(counts) - counts
+        slot = np.repeat(np.arange(t), counts)
+        col = kk + np.arange(rows.size) - np.repeat(starts, counts)
+        if self.packed:
+            # one int64 key per entry ordering like (distance, index): a single unstable sort
+            keys = np.full((t, width), _PACKED_PAD, dtype=np.int64)
+            keys[:, :kk] = _pack(self.dist[where], self.idx[where])
+            keys[slot, col] = _pack(cand_d, cand_i)
+            top = np.sort(keys, axis=1)[:, :kk]
+            self.dist[where], self.idx[where] = _unpack(top)
             return
         dist = np.empty((t, width), dtype=self.dist.dtype)
         idx = np.empty((t, width), dtype=self.idx.dtype)
@@ -198,9 +236,6 @@ class _Running:
         idx[:, :kk] = self.idx[where]
         dist[:, kk:] = np.inf
         idx[:, kk:] = -1
-        starts = np.cumsum(counts) - counts
-        slot = np.repeat(np.arange(t), counts)
-        col = kk + np.arange(rows.size) - np.repeat(starts, counts)
         dist[slot, col] = cand_d
         idx[slot, col] = cand_i
         perm = np.argsort(dist, axis=1, kind="stable")[:, :kk]
@@ -227,6 +262,26 @@ class _Running:
         out_i[all_r[sel], rank[sel]] = all_i[sel]
         self.dist[r0 + touched] = out_d
         self.idx[r0 + touched] = out_i
+
+
+#: Packed key of the padding entry (+inf, -1): larger than every real entry's key.
+_PACKED_PAD = (0x7F800000 << 32) | 0xFFFFFFFF
+
+
+def _pack(dist: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """int64 keys ordering like ``(distance, index)`` for float32 distances ``>= +0`` (or +inf)
+    and int32 indices (``-1`` padding only with +inf): a non-negative float's bits order like its
+    value, so ``bits << 32 | index`` (index as unsigned 32 bits) orders like the pair."""
+    key = dist.view(np.int32).astype(np.int64) << 32
+    key |= idx.astype(np.int64) & 0xFFFFFFFF
+    return key
+
+
+def _unpack(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Inverse of :func:`_pack`: float32 distances and int32 indices."""
+    dist = (key >> 32).astype(np.int32).view(np.float32)
+    idx = (key & 0xFFFFFFFF).astype(np.uint32).view(np.int32)
+    return dist, idx
 
 
 def _row_maxima(sim: np.ndarray, rows: np.ndarray, kk: int):
@@ -259,6 +314,7 @@ def cross_group_knn(
     block_rows: int | None = None,
     block_cols: int | None = None,
     rows: slice | None = None,
+    n_threads: int | None = None,
 ):
     """The ``kmax`` nearest cross-group rows of every row, exactly.
 
@@ -279,6 +335,13 @@ def cross_group_knn(
     rows : slice, optional
         Answer only for the query rows ``range(n)[rows]`` (against all ``n`` rows); the result
         then has ``len(range(n)[rows])`` rows, equal to those rows of the whole-scope call.
+    n_threads : int, optional
+        Python threads for the symmetric search's tile pairs (never more than there are pairs).
+        Default: the usable cores (``os.sched_getaffinity``), or 1 when the loaded BLAS is
+        already limited to one thread (e.g. inside a pinned Dask worker). The symmetric search
+        limits BLAS to one thread **process-wide** for the duration of the call (threadpoolctl),
+        whatever ``n_threads``, so the result is identical for every value. Ignored by the
+        ``rows=`` path.
 
     Returns
     -------
@@ -292,7 +355,7 @@ def cross_group_knn(
     ------
     ValueError
         ``u`` not 2-D, ``groups`` of the wrong length, ``kmax <= 0``, block sizes ``<= 0``,
-        ``rows`` not a slice of step 1.
+        ``rows`` not a slice of step 1, ``n_threads <= 0``.
     TypeError
         ``u`` not float32/float64.
     """
@@ -302,6 +365,8 @@ def cross_group_knn(
     for b in (block_rows, block_cols):
         if b is not None and int(b) <= 0:
             raise ValueError("block sizes must be positive")
+    if n_threads is not None and int(n_threads) <= 0:
+        raise ValueError(f"n_threads must be >= 1, got {n_threads}")
     if rows is not None:
         if not isinstance(rows, slice) or rows.step not in (None, 1):
             raise ValueError(f"rows must be a slice with step 1, got {rows!r}")
@@ -314,45 +379,155 @@ def cross_group_knn(
     given = [int(b) for b in (block_rows, block_cols) if b is not None]
     tile = min(min(given), n) if given else _tile_size(n, u.dtype)
     starts = list(range(0, n, tile))
-    run = _Running(n, kk, u.dtype)
-    buf = np.empty(tile * tile, dtype=u.dtype)
-    hit = np.empty(tile * tile, dtype=bool)
-    hit_c = np.empty(tile * tile, dtype=bool)
+    pairs = [(a0, b0) for bi, a0 in enumerate(starts) for b0 in starts[bi:]]
+    threads = _thread_count(n_threads, len(pairs))
+    # BLAS on one thread for every tile, whatever n_threads: a multi-threaded dgemm may split the
+    # work differently and move the last bit of an entry, and the result must not depend on the
+    # thread count (the Python threads below supply the parallelism)
+    with _controller().limit(limits=1, user_api="blas"):
+        if threads <= 1:
+            run = _Running(n, kk, u.dtype)
+            work = _TileWork(u, grp, run, kk, tile)
+            for a0, b0 in pairs:
+                work.pair(a0, b0)
+            return _widen(run, k)
+        return _widen(_threaded_search(u, grp, kk, tile, pairs, threads), k)
 
-    for bi, a0 in enumerate(starts):
+
+def _usable_cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+_CONTROLLER: list = []
+
+
+def _controller() -> ThreadpoolController:
+    """One threadpoolctl controller per process (finding the libraries costs ~10 ms a call).
+
+    numpy's BLAS is loaded before this module runs, so the pool that computes our GEMMs is in it;
+    thread counts are read live from the libraries at each query.
+    """
+    if not _CONTROLLER:
+        _CONTROLLER.append(ThreadpoolController())
+    return _CONTROLLER[0]
+
+
+def _blas_threads() -> int:
+    """Largest thread count of the BLAS pools loaded in this process (1 when none is found)."""
+    counts = [int(i.get("num_threads") or 1) for i in _controller().info() if i.get("user_api") == "blas"]
+    return max(counts) if counts else 1
+
+
+def _thread_count(n_threads: int | None, n_pairs: int) -> int:
+    """Python threads for ``n_pairs`` tile pairs.
+
+    Default: the usable cores, but 1 when BLAS is already pinned to one thread (a Dask worker or
+    any caller that budgets its own parallelism: we do not oversubscribe behind its back).
+    """
+    if n_threads is None:
+        want = _usable_cores() if _blas_threads() > 1 else 1
+    else:
+        want = int(n_threads)
+        if want <= 0:
+            raise ValueError(f"n_threads must be >= 1, got {n_threads}")
+    return max(1, min(want, n_pairs))
+
+
+class _TileWork:
+    """One thread's reduction of tile pairs into its running lists (its own tile buffers)."""
+
+    def __init__(self, u: np.ndarray, grp: _Groups, run: _Running, kk: int, tile: int):
+        self.u, self.grp, self.run, self.kk = u, grp, run, kk
+        self.n = u.shape[0]
+        self.tile = tile
+        self.buf = np.empty(tile * tile, dtype=u.dtype)
+        self.hit = np.empty(tile * tile, dtype=bool)
+        self.hit_c = np.empty(tile * tile, dtype=bool)
+
+    def pair(self, a0: int, b0: int) -> None:
+        """Reduce the tile ``B_I × B_J`` (blocks starting at ``a0 <= b0``) along both axes."""
+        u, run, kk, n, tile = self.u, self.run, self.kk, self.n, self.tile
         a1 = min(n, a0 + tile)
-        ua = u[a0:a1]
-        for b0 in starts[bi:]:
-            b1 = min(n, b0 + tile)
-            ra, cb = a1 - a0, b1 - b0
-            sim = buf[: ra * cb].reshape(ra, cb)
-            np.matmul(ua, u[b0:b1].T, out=sim)  # one GEMM; distances only for candidates
-            same = grp.tile_pairs(a0, a1, b0, b1)
-            if same is not None:
-                sim[same] = -np.inf
-            diagonal = a0 == b0
-            low_r = run.bounds(a0, a1, lambda r: _row_maxima(sim, r, kk))
-            mask = hit[: ra * cb].reshape(ra, cb)
-            np.greater_equal(sim, low_r[:, None], out=mask)
-            if not diagonal:
-                low_c = run.bounds(b0, b1, lambda r: _col_maxima(sim, r, kk))
-                mask_c = hit_c[: ra * cb].reshape(ra, cb)
-                np.greater_equal(sim, low_c[None, :], out=mask_c)
-                np.logical_or(mask, mask_c, out=mask)
-            flat = np.flatnonzero(mask)
-            if flat.size == 0:
-                continue
-            cand = sim.ravel()[flat]
-            r, c = np.divmod(flat, cb)
-            # masked (-inf) entries pass only bounds of -inf: drop them here
-            on_row = cand >= low_r[r]
-            on_row &= cand > -np.inf
-            run.merge(a0, a1, r[on_row], cand[on_row], c[on_row] + b0, grouped=True)
-            if not diagonal:
-                on_col = cand >= low_c[c]
-                on_col &= cand > -np.inf
-                run.merge(b0, b1, c[on_col], cand[on_col], r[on_col] + a0, grouped=False)
-    return _widen(run, k)
+        b1 = min(n, b0 + tile)
+        ra, cb = a1 - a0, b1 - b0
+        sim = self.buf[: ra * cb].reshape(ra, cb)
+        np.matmul(u[a0:a1], u[b0:b1].T, out=sim)  # one GEMM; distances only for candidates
+        same = self.grp.tile_pairs(a0, a1, b0, b1)
+        if same is not None:
+            sim[same] = -np.inf
+        diagonal = a0 == b0
+        low_r = run.bounds(a0, a1, lambda r: _row_maxima(sim, r, kk))
+        mask = self.hit[: ra * cb].reshape(ra, cb)
+        np.greater_equal(sim, low_r[:, None], out=mask)
+        if not diagonal:
+            low_c = run.bounds(b0, b1, lambda r: _col_maxima(sim, r, kk))
+            mask_c = self.hit_c[: ra * cb].reshape(ra, cb)
+            np.greater_equal(sim, low_c[None, :], out=mask_c)
+            np.logical_or(mask, mask_c, out=mask)
+        flat = np.flatnonzero(mask)
+        if flat.size == 0:
+            return
+        cand = sim.ravel()[flat]
+        r, c = np.divmod(flat, cb)
+        # masked (-inf) entries pass only bounds of -inf: drop them here
+        on_row = cand >= low_r[r]
+        on_row &= cand > -np.inf
+        run.merge(a0, a1, r[on_row], cand[on_row], c[on_row] + b0, grouped=True)
+        if not diagonal:
+            on_col = cand >= low_c[c]
+            on_col &= cand > -np.inf
+            run.merge(b0, b1, c[on_col], cand[on_col], r[on_col] + a0, grouped=False)
+
+
+def _threaded_search(u: np.ndarray, grp: _Groups, kk: int, tile: int, pairs: list, threads: int) -> _Running:
+    """The tile pairs on ``threads`` Python threads (the caller has pinned BLAS to one thread).
+
+    Threads pull pairs from one queue in the global ``I <= J`` order, so each thread still meets
+    every row's column blocks in increasing index order (the merge's tie-break invariant) and each
+    thread's lists are the exact ``(distance, index)`` top of the tiles it saw. Their union's top
+    is the whole-scope top whichever thread saw which tile, and a tile's GEMM bits do not depend
+    on the thread that computes it (BLAS single-threaded here), so the result equals the
+    single-thread path's exactly. numpy's GEMM, comparisons, ``flatnonzero`` and sorts release the
+    GIL, so one thread's selection overlaps the other's GEMM.
+    """
+    n = u.shape[0]
+    lock = threading.Lock()
+    queue = iter(pairs)
+
+    def worker() -> _Running:
+        run = _Running(n, kk, u.dtype)
+        work = _TileWork(u, grp, run, kk, tile)
+        while True:
+            with lock:
+                nxt = next(queue, None)
+            if nxt is None:
+                return run
+            work.pair(*nxt)
+
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="cachescore-knn") as pool:
+        runs = [f.result() for f in [pool.submit(worker) for _ in range(threads)]]
+    return _merge_runs(runs)
+
+
+def _merge_runs(runs: list) -> _Running:
+    """The exact ``(distance, index)`` top ``kk`` of several threads' running lists."""
+    out = runs[0]
+    if len(runs) == 1:
+        return out
+    kk = out.kk
+    dist = np.concatenate([r.dist for r in runs], axis=1)
+    idx = np.concatenate([r.idx for r in runs], axis=1)
+    # padding is (inf, -1) and real distances are finite (<= 2): padding never outranks an entry
+    if out.packed:
+        out.dist, out.idx = _unpack(np.sort(_pack(dist, idx), axis=1)[:, :kk])
+        return out
+    order = np.lexsort((idx, dist), axis=1)[:, :kk]
+    out.dist = np.take_along_axis(dist, order, axis=1)
+    out.idx = np.take_along_axis(idx, order, axis=1)
+    return out
 
 
 def _widen(run: _Running, k: int):

@@ -30,10 +30,12 @@ __all__ = [
 BACKEND_NAMES = ("exact", "ann", "auto")
 
 #: ``auto`` switches to ``ann`` when a scope's exact search costs more than this many
-#: multiply-adds (``n² · d``): about 80,000 rows at d = 768. A first estimate from
-#: ``benchmarks/cache_scale.py`` (exact ~ n²d, ann ~ n·d·(kmax + G)·c with a large constant);
-#: recalibrate on the target machine with that script.
-DEFAULT_AUTO_THRESHOLD = 5e12
+#: multiply-adds (``n² · d``): 40,000 rows at d = 768. Measured on the 2-core development box
+#: (``benchmarks/cache_scale.py``, shared machine): exact cross-group ~ n²·d / 5e10 s (24 s at
+#: 40k × 768); ann (ivf) 15 s at 40k (×1.6), 33 s at 100k (×4.5 vs ~150 s extrapolated), 8 s vs
+#: 11 s at 20k (×1.4, where the fixed costs — k-means, calibration, audit — still weigh). Below
+#: this size the gain is small and exact results are worth more.
+DEFAULT_AUTO_THRESHOLD = 1.2e12
 
 # name -> (module, cross-group function, typed function), relative to this package
 _TABLE = {

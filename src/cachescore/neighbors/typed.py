@@ -15,16 +15,26 @@ Layout of the computation (no per-row Python loop, no N×N matrix):
   only the kept ``(n, m)`` values are converted, with the arithmetic of
   :func:`~cachescore.neighbors.normalize.cosine_distance_block`;
 * SO and OS are symmetric relations, so each unordered cell pair is multiplied once and each tile
-  is reduced to its ``m`` largest per row *and* per column (in-place ``partition``, no tile copy;
-  the column side through a cache-friendly strip transpose) and merged into running ``(n, m)`` buffers;
-  same-group entries are set to ``-inf`` only in tiles where a group occurs on both sides;
-* the work is cut into independent query blocks (:func:`typed_layout`, :func:`typed_block`) whose
-  partials are merged by an order-independent reduction (:func:`typed_merge`), so
+  is reduced to its ``m`` largest per row *and* per column (in-place ``partition``; the column
+  side through a cache-friendly strip transpose) into ``(rows, m)`` partials; same-group entries
+  are set to ``-inf`` only in tiles where a group occurs on both sides;
+* the work is cut into independent tiles (:func:`typed_tiles`, :func:`typed_tile`), grouped in
+  query blocks (:func:`typed_layout`, :func:`typed_block`), whose partials are merged by an
+  order-independent reduction (:func:`typed_merge`), so
   :mod:`cachescore.pipeline.blocked_search` runs the same blocks on Dask workers and returns the
   same bits.
 
 Peak extra memory is one permuted copy of ``u``, two ``(n, m)`` buffers and ``O(block_rows²)``
-per tile.
+per tile and thread.
+
+Threads: the single-process kernels run their tiles (typed search: :func:`typed_tiles`; counting:
+query blocks or untyped tiles) on :func:`search_threads` Python threads (the CPU affinity, 1 inside
+a Dask worker task) with BLAS pinned to one thread for the whole call (:func:`_parallel`). numpy's
+GEMMs, comparisons, copies and partitions release the GIL, so tiles run in parallel; tasks are
+fixed by the layout (never by the thread count) and partials are merged by order-independent
+reductions, so results are bit-identical for every thread count. A multithreaded BLAS on these
+small tiles was also the main cost at small N on a loaded machine (N = 2,000: 0.65 s wall with
+2 BLAS threads vs 0.05 s pinned, load ~2.5).
 
 :func:`count_within` is the companion counting pass used to reproduce croma's search-schedule
 diagnostics (``k_final``, ``retries``) without growing a window. It compares similarities with a
@@ -39,30 +49,42 @@ pairwise distance of the scope is then computed once (~n²·d/2 multiply-adds in
 
 Cost at N = 8,000, D = 384, float32, 2 labels × 4 confounders (``benchmarks/croma_speed.py``): the
 typed search is ~12 GFLOP of GEMM, the separate counting pass ~25 GFLOP, the fused pair ~25 GFLOP
-in total; CRoMa.compute takes ~0.5 s of one core there, of which ~0.3 s is GEMM.
+in total; CRoMa.compute takes ~0.4 s of CPU there, of which ~0.25 s is GEMM; the rest is mostly
+partitions (~12 %), tile transposes (~9 %) and the manifest normalisation (~10 %).
 """
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
+from threadpoolctl import ThreadpoolController
 
 __all__ = [
     "COUNT_BLOCK_ROWS",
     "DEFAULT_BLOCK_ROWS",
     "FUSED_TILE_BYTES",
+    "PARALLEL_MIN_WORK",
     "TypedLayout",
     "count_block",
     "count_layout",
     "count_merge",
     "count_within",
+    "search_threads",
     "similarity_floor",
     "typed_block",
     "typed_knn",
     "typed_knn_and_counts",
     "typed_layout",
     "typed_merge",
+    "typed_tile",
+    "typed_tiles",
 ]
 
 #: Edge of the square distance tiles (query rows × target columns) when ``block_rows`` is None.
@@ -98,14 +120,122 @@ def _block(block_rows, default=DEFAULT_BLOCK_ROWS) -> int:
 
 
 def _transpose(a: np.ndarray) -> np.ndarray:
-    """C-contiguous transpose of a 2-D tile, copied in 64-row strips.
-
-    A plain ``ascontiguousarray(a.T)`` walks the source column-wise and is several times slower
-    on large tiles; strips keep both sides cache-resident."""
+    """C-contiguous transpose of a 2-D tile, copied in 256-row strips (both sides stay
+    cache-resident; measured ~1.7 ms for a 2048 × 1000 float32 tile vs ~2.7 ms for
+    ``ascontiguousarray(a.T)`` and ~10 ms with 64-row strips)."""
     out = np.empty((a.shape[1], a.shape[0]), dtype=a.dtype)
-    for s in range(0, a.shape[0], 64):
-        out[:, s : s + 64] = a[s : s + 64].T
+    for s in range(0, a.shape[0], 256):
+        out[:, s : s + 256] = a[s : s + 256].T
     return out
+
+
+def _top(tile: np.ndarray, m: int) -> np.ndarray:
+    """Per row the ``m`` largest values of ``tile`` (r, w), unordered, ``-inf`` padded: a new
+    (r, m) array. ``tile`` is partitioned **in place** (its rows reordered, their multisets kept)."""
+    r, w = tile.shape
+    if w > m:
+        tile.partition(w - m, axis=1)
+        return tile[:, w - m :].copy()
+    out = np.full((r, m), -np.inf, dtype=tile.dtype)
+    out[:, :w] = tile
+    return out
+
+
+def _in_dask_worker() -> bool:
+    dist = sys.modules.get("distributed")  # not imported: certainly not inside a worker
+    if dist is None:
+        return False
+    try:
+        dist.get_worker()
+    except (ValueError, AttributeError):
+        return False
+    return True
+
+
+def search_threads(threads=None) -> int:
+    """Number of Python threads the single-process kernels of this module run their tiles on.
+
+    ``threads=None``: the CPUs this process may run on (``os.sched_getaffinity``), or 1 inside a
+    Dask worker task (the worker's own threads already fill the machine). Raises ``ValueError``
+    for ``threads < 1``. Results never depend on it (see :func:`_parallel`)."""
+    if threads is not None:
+        t = int(threads)
+        if t < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        return t
+    if _in_dask_worker():
+        return 1
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+_PIN_LOCK = threading.Lock()
+_PIN = {"depth": 0, "limits": None, "controller": None}
+
+#: Below this many multiply-adds (about n²·d/2 for a scope) a kernel runs its tiles on the calling
+#: thread: starting a pool costs more than it saves (results are the same either way).
+PARALLEL_MIN_WORK = 50_000_000
+
+
+@contextmanager
+def _blas_pinned() -> Iterator[None]:
+    """BLAS limited to one thread while any caller (in any thread) is inside this context.
+
+    threadpoolctl's limits are process-wide: concurrent kernels (e.g. several tasks of an
+    in-process Dask cluster) share one pin, taken by the first to enter and restored to the
+    original limits by the last to leave, so no kernel ever runs under a restored multithreaded
+    BLAS and the process never stays pinned afterwards."""
+    with _PIN_LOCK:
+        if _PIN["depth"] == 0:
+            if _PIN["controller"] is None:  # scanning the loaded libraries costs ~1 ms: once
+                _PIN["controller"] = ThreadpoolController()
+            _PIN["limits"] = _PIN["controller"].limit(limits=1, user_api="blas")
+        _PIN["depth"] += 1
+    try:
+        yield
+    finally:
+        with _PIN_LOCK:
+            _PIN["depth"] -= 1
+            if _PIN["depth"] == 0:
+                _PIN["limits"].restore_original_limits()
+                _PIN["limits"] = None
+
+
+@contextmanager
+def _parallel(threads, work=None) -> Iterator[Callable]:
+    """Context yielding ``run(fn, tasks) -> [fn(t) for t in tasks]`` (results in task order),
+    executed on ``search_threads(threads)`` Python threads with BLAS pinned to one thread for the
+    whole context (:func:`_blas_pinned`).
+
+    numpy's GEMMs, comparisons, reductions, copies and partitions release the GIL, so the tiles
+    run truly in parallel. BLAS is pinned to one thread whatever the thread count: every tile's
+    GEMM then runs the same single-threaded kernel, and because tasks are fixed independently of
+    the thread count and partial results are merged by order-independent reductions, the results
+    are bit-identical for any ``threads``. ``work`` (multiply-adds, optional): below
+    :data:`PARALLEL_MIN_WORK` the tasks run on the calling thread; the pool is only started
+    for a ``run`` with more than one task.
+    """
+    t = search_threads(threads)
+    if work is not None and work < PARALLEL_MIN_WORK:
+        t = 1
+    pool = []
+
+    def run(fn, tasks):
+        tasks = list(tasks)
+        if t == 1 or len(tasks) < 2:
+            return [fn(x) for x in tasks]
+        if not pool:
+            pool.append(ThreadPoolExecutor(max_workers=t, thread_name_prefix="cachescore-typed"))
+        return list(pool[0].map(fn, tasks))
+
+    with _blas_pinned():
+        try:
+            yield run
+        finally:
+            if pool:
+                pool[0].shutdown(wait=True)
 
 
 def _merge_largest(buf: np.ndarray, tile: np.ndarray, m: int) -> None:
@@ -198,6 +328,35 @@ def typed_layout(labels, confounders, groups, *, block_rows=None):
     return TypedLayout(n, b, order, starts, tuple(ranges), tuple(blocks), oo_pairs), gs
 
 
+def typed_tiles(layout: TypedLayout, blocks=None) -> list:
+    """The tiles of ``blocks`` (default all of ``layout.blocks``), largest first: tuples
+    ``(kind, qs, qe, ts, te, shared)`` (query rows ``qs:qe`` × partner rows ``ts:te`` of a
+    ``kind`` range). They depend on the layout only, never on a thread count."""
+    b = layout.block_rows
+    tiles = []
+    for q, qs, qe in layout.blocks if blocks is None else blocks:
+        for kind, t0, t1, shared in layout.ranges[q]:
+            tiles.extend((kind, qs, qe, ts, min(ts + b, t1), shared) for ts in range(t0, t1, b))
+    tiles.sort(key=lambda t: (t[2] - t[1]) * (t[4] - t[3]), reverse=True)
+    return tiles
+
+
+def typed_tile(us, gs, tile, m, *, keep_tiles=None) -> list:
+    """Partial typed search of one tile of :func:`typed_tiles`: ``[(kind, qs, rows), (kind, ts,
+    cols)]`` with ``rows`` (qe-qs, m) / ``cols`` (te-ts, m) the ``m`` largest similarities
+    (unordered, ``-inf`` padded) of each query / partner row within the tile. ``keep_tiles``: see
+    :func:`typed_block`. Thread-safe (only reads ``us``/``gs``; ``list.append`` is atomic)."""
+    kind, qs, qe, ts, te, shared = tile
+    sim = us[qs:qe] @ us[ts:te].T
+    if shared:
+        np.copyto(sim, np.array(-np.inf, dtype=sim.dtype), where=gs[qs:qe, None] == gs[None, ts:te])
+    cols = _transpose(sim)
+    parts = [(kind, qs, _top(sim, m)), (kind, ts, _top(cols, m))]  # each reorders its tile's rows
+    if keep_tiles is not None:
+        keep_tiles.append((qs, qe, ts, te, sim, cols))
+    return parts
+
+
 def typed_block(us, gs, layout: TypedLayout, block, m, *, keep_tiles=None):
     """Partial typed search of one query block ``(cell, qs, qe)`` of ``layout.blocks``.
 
@@ -212,31 +371,14 @@ def typed_block(us, gs, layout: TypedLayout, block, m, *, keep_tiles=None):
     ``cols`` (te-ts, qe-qs) each target row's, both in an arbitrary order within a row (used by
     :func:`typed_knn_and_counts` to count without a second GEMM).
     """
-    q, qs, qe = block
-    b = layout.block_rows
-    neg = np.array(-np.inf, dtype=us.dtype)
-    rows = {}
     out = []
-    for kind, t0, t1, shared in layout.ranges[q]:
-        rbuf = rows.setdefault(kind, np.full((qe - qs, m), neg, dtype=us.dtype))
-        cbuf = np.full((t1 - t0, m), neg, dtype=us.dtype)
-        for ts in range(t0, t1, b):
-            te = min(ts + b, t1)
-            sim = us[qs:qe] @ us[ts:te].T
-            if shared:
-                np.copyto(sim, neg, where=gs[qs:qe, None] == gs[None, ts:te])
-            cols = _transpose(sim)
-            _merge_largest(rbuf, sim, m)  # reorders each row of sim, keeping its values
-            _merge_largest(cbuf[ts - t0 : te - t0], cols, m)
-            if keep_tiles is not None:
-                keep_tiles.append((qs, qe, ts, te, sim, cols))
-        out.append((kind, t0, cbuf))
-    out.extend((kind, qs, rbuf) for kind, rbuf in rows.items())
+    for tile in typed_tiles(layout, [block]):
+        out.extend(typed_tile(us, gs, tile, m, keep_tiles=keep_tiles))
     return out
 
 
 def typed_merge(layout: TypedLayout, partials, m, dtype):
-    """Merge :func:`typed_block` partials (an iterable of their lists) into ``typed_knn``'s
+    """Merge :func:`typed_block` / :func:`typed_tile` partials (an iterable of their lists) into ``typed_knn``'s
     ``(so_dist, os_dist)``, float64 (n, m), ascending, ``+inf`` padded, in the caller's row order."""
     n = layout.n
     best = {k: np.full((n, m), -np.inf, dtype=dtype) for k in ("so", "os")}
@@ -250,7 +392,7 @@ def typed_merge(layout: TypedLayout, partials, m, dtype):
     return so_out, os_out
 
 
-def typed_knn(u, labels, confounders, groups, m, *, block_rows=None):
+def typed_knn(u, labels, confounders, groups, m, *, block_rows=None, threads=None):
     """Exact SO/OS neighbour distances of every row, searched per (label, confounder) cell.
 
     Parameters
@@ -266,6 +408,9 @@ def typed_knn(u, labels, confounders, groups, m, *, block_rows=None):
     block_rows : int, optional
         Edge of the distance tiles (default :data:`DEFAULT_BLOCK_ROWS`). Results do not depend on
         it (up to the last-ulp effect of the BLAS kernel chosen for a tile shape).
+    threads : int, optional
+        Python threads the tiles run on (default :func:`search_threads`); BLAS is pinned to one
+        thread for the call. Results are bit-identical for every value.
 
     Returns
     -------
@@ -278,7 +423,8 @@ def typed_knn(u, labels, confounders, groups, m, *, block_rows=None):
     Raises
     ------
     ValueError
-        ``u`` not 2-D, code arrays of the wrong shape, ``m < 1`` or ``block_rows < 1``.
+        ``u`` not 2-D, code arrays of the wrong shape, ``m < 1``, ``block_rows < 1`` or
+        ``threads < 1``.
 
     Notes
     -----
@@ -298,7 +444,9 @@ def typed_knn(u, labels, confounders, groups, m, *, block_rows=None):
     if n < 2:
         return np.full((n, m), np.inf), np.full((n, m), np.inf)
     us = np.ascontiguousarray(u[layout.order])
-    return typed_merge(layout, (typed_block(us, gs, layout, blk, m) for blk in layout.blocks), m, us.dtype)
+    with _parallel(threads, work=n * n * u.shape[1] // 2) as run:
+        parts = run(lambda tile: typed_tile(us, gs, tile, m), typed_tiles(layout))
+    return typed_merge(layout, parts, m, us.dtype)
 
 
 def _to_key(x: np.ndarray) -> np.ndarray:
@@ -392,15 +540,17 @@ def count_merge(n, order, parts):
     return out
 
 
-def count_within(u, groups, radius, *, block_rows=None) -> np.ndarray:
+def count_within(u, groups, radius, *, block_rows=None, threads=None) -> np.ndarray:
     """Per row ``i``, the number of rows of other groups at cosine distance ``<= radius[i]``.
 
     ``u`` (n, d) normalised rows, ``groups`` (n,) codes, ``radius`` (n,) thresholds (``+inf`` counts
     every cross-group row). Returns int64 (n,). Distances are ``1 - u_i·u_j`` in ``u``'s dtype with
     thresholds cast to it; thresholds at or above 2 count every cross-group row (the clip to [0, 2]
     is thereby implied). ``block_rows``: tile edge (default :data:`COUNT_BLOCK_ROWS`; the result
-    does not depend on it beyond a last-ulp GEMM effect at exactly ``radius``). Raises
-    ``ValueError`` for mismatched shapes or ``block_rows < 1``.
+    does not depend on it beyond a last-ulp GEMM effect at exactly ``radius``). ``threads``: Python
+    threads the blocks run on (default :func:`search_threads`; BLAS pinned to one thread; the
+    counts do not depend on it). Raises ``ValueError`` for mismatched shapes, ``block_rows < 1`` or
+    ``threads < 1``.
 
     One blocked pass over the upper triangle of tiles: each similarity tile serves both its rows
     and its columns, so the GEMM work is about ``n²·d/2``. The comparison runs on similarities
@@ -417,7 +567,9 @@ def count_within(u, groups, radius, *, block_rows=None) -> np.ndarray:
     b = _block(block_rows, COUNT_BLOCK_ROWS)
     order, gs, floor = count_layout(groups, radius, u.dtype)
     us = np.ascontiguousarray(u[order])
-    return count_merge(n, order, (count_block(us, gs, floor, qs, b) for qs in range(0, n, b)))
+    with _parallel(threads, work=n * n * u.shape[1] // 2) as run:  # blocks shrink along the triangle
+        parts = run(lambda qs: count_block(us, gs, floor, qs, b), list(range(0, n, b)))
+    return count_merge(n, order, parts)
 
 
 #: Largest total size (bytes) of the typed similarity tiles that :func:`typed_knn_and_counts` keeps
@@ -427,17 +579,42 @@ def count_within(u, groups, radius, *, block_rows=None) -> np.ndarray:
 FUSED_TILE_BYTES = 256 * 2**20
 
 
-def _count_tile(counts, sim, floor, qs, qe, ts, te, *, rows_only=False):
-    """Add the hits ``sim >= floor`` of one tile to the rows ``qs:qe`` and columns ``ts:te``."""
+def _tile_counts(sim, floor, qs, qe, ts, te, *, rows_only=False) -> list:
+    """``[(qs, row_hits), (ts, col_hits)]``: int64 numbers of entries ``sim >= floor`` of one tile
+    per row (floors ``qs:qe``) and, unless ``rows_only``, per column (floors ``ts:te``)."""
     acc = np.uint16 if max(qe - qs, te - ts) < (1 << 16) else np.int64
     hit = sim >= floor[qs:qe, None]
-    counts[qs:qe] += hit.view(np.uint8).sum(axis=1, dtype=acc)
+    out = [(qs, hit.view(np.uint8).sum(axis=1, dtype=acc))]
     if not rows_only:
         hit = np.greater_equal(sim, floor[None, ts:te], out=hit)
-        counts[ts:te] += hit.view(np.uint8).sum(axis=0, dtype=acc)
+        out.append((ts, hit.view(np.uint8).sum(axis=0, dtype=acc)))
+    return out
 
 
-def typed_knn_and_counts(u, labels, confounders, groups, m, radius_for, *, block_rows=None, tile_bytes=None):
+def _count_tasks(layout: TypedLayout, block_rows: int) -> list:
+    """The untyped tiles of the fused counting pass, largest first: ``(qs, qe, ts, te, mask,
+    rows_only)`` for the upper triangle of every cell's own tiles (``mask``: groups may overlap;
+    diagonal tiles count rows only) and every pair of cells differing in label and confounder."""
+    cb, starts, tasks = block_rows, layout.starts, []
+    for c in range(len(starts) - 1):
+        c0, c1 = int(starts[c]), int(starts[c + 1])
+        for qs in range(c0, c1, cb):
+            qe = min(qs + cb, c1)
+            tasks.extend((qs, qe, ts, min(ts + cb, c1), None, ts == qs) for ts in range(qs, c1, cb))
+    for q, t, shared in layout.oo_pairs:
+        for qs in range(int(starts[q]), int(starts[q + 1]), cb):
+            qe = min(qs + cb, int(starts[q + 1]))
+            tasks.extend(
+                (qs, qe, ts, min(ts + cb, int(starts[t + 1])), shared, False)
+                for ts in range(int(starts[t]), int(starts[t + 1]), cb)
+            )
+    tasks.sort(key=lambda t: (t[1] - t[0]) * (t[3] - t[2]), reverse=True)
+    return tasks
+
+
+def typed_knn_and_counts(
+    u, labels, confounders, groups, m, radius_for, *, block_rows=None, tile_bytes=None, threads=None
+):
     """:func:`typed_knn`, then :func:`count_within` with a radius derived from its result, sharing GEMMs.
 
     ``radius_for(so_dist, os_dist)`` receives :func:`typed_knn`'s result (in the caller's row
@@ -450,62 +627,64 @@ def typed_knn_and_counts(u, labels, confounders, groups, m, radius_for, *, block
     differing in both label and confounder). Otherwise the count is :func:`count_within` itself.
     The counts equal :func:`count_within`'s except where a distance lies within the last ulp of
     its row's radius (the tiles have other GEMM shapes), which the caller's slack absorbs.
+
+    Both passes run their tiles on ``threads`` Python threads (default :func:`search_threads`)
+    with BLAS pinned to one thread for the whole call; results are bit-identical for every value.
+    Raises ``ValueError`` as :func:`typed_knn`, or when ``radius_for`` returns a wrong shape.
     """
     u, (labels, confounders, groups) = _check_inputs(u, labels, confounders, groups)
     m = int(m)
     if m < 1:
         raise ValueError(f"m must be >= 1, got {m}")
+    search_threads(threads)  # validate before any work
     layout, gs = typed_layout(labels, confounders, groups, block_rows=block_rows)
     n = u.shape[0]
     if n < 2:
         so, os_ = np.full((n, m), np.inf), np.full((n, m), np.inf)
         radius = radius_for(so, os_)
-        return so, os_, (None if radius is None else count_within(u, groups, radius))
+        return so, os_, (None if radius is None else count_within(u, groups, radius, threads=threads))
     budget = FUSED_TILE_BYTES if tile_bytes is None else int(tile_bytes)
     typed_entries = sum((qe - qs) * sum(t1 - t0 for _, t0, t1, _ in layout.ranges[q]) for q, qs, qe in layout.blocks)
     keep = [] if 2 * typed_entries * u.dtype.itemsize <= budget else None  # row and column copies
     us = np.ascontiguousarray(u[layout.order])
-    parts = (typed_block(us, gs, layout, blk, m, keep_tiles=keep) for blk in layout.blocks)
-    so, os_ = typed_merge(layout, parts, m, us.dtype)
-    radius = radius_for(so, os_)
-    if radius is None:
-        return so, os_, None
-    if keep is None:
-        return so, os_, count_within(u, groups, radius)
+    with _parallel(threads, work=n * n * u.shape[1] // 2) as run:
+        parts = run(lambda tile: typed_tile(us, gs, tile, m, keep_tiles=keep), typed_tiles(layout))
+        so, os_ = typed_merge(layout, parts, m, us.dtype)
+        del parts
+        radius = radius_for(so, os_)
+        if radius is None:
+            return so, os_, None
+        if keep is None:
+            return so, os_, count_within(u, groups, radius, threads=threads)
 
-    radius = np.asarray(radius, dtype=np.float64)
-    if radius.shape != (n,):
-        raise ValueError(f"radius_for returned shape {radius.shape}; expected ({n},)")
-    # -inf marks same-group entries; a floor of -inf (radius >= 2: count all) becomes the lowest
-    # finite value so those entries still compare False
-    floor = np.maximum(similarity_floor(radius[layout.order], us.dtype), np.finfo(us.dtype).min)
-    neg = np.array(-np.inf, dtype=us.dtype)
+        radius = np.asarray(radius, dtype=np.float64)
+        if radius.shape != (n,):
+            raise ValueError(f"radius_for returned shape {radius.shape}; expected ({n},)")
+        # -inf marks same-group entries; a floor of -inf (radius >= 2: count all) becomes the lowest
+        # finite value so those entries still compare False
+        floor = np.maximum(similarity_floor(radius[layout.order], us.dtype), np.finfo(us.dtype).min)
+        neg = np.array(-np.inf, dtype=us.dtype)
+
+        def kept(tile):  # typed pairs: compare only
+            qs, qe, ts, te, rows, cols = tile
+            return _tile_counts(rows, floor, qs, qe, ts, te, rows_only=True) + _tile_counts(
+                cols, floor, ts, te, qs, qe, rows_only=True
+            )
+
+        def untyped(task):  # same cell (groups sorted inside) or other label and other confounder
+            qs, qe, ts, te, shared, rows_only = task
+            sim = us[qs:qe] @ us[ts:te].T
+            if shared or (shared is None and gs[qe - 1] >= gs[ts]):
+                np.copyto(sim, neg, where=gs[qs:qe, None] == gs[None, ts:te])
+            return _tile_counts(sim, floor, qs, qe, ts, te, rows_only=rows_only)
+
+        hits = run(kept, keep)
+        keep.clear()
+        hits += run(untyped, _count_tasks(layout, COUNT_BLOCK_ROWS))
     counts = np.zeros(n, dtype=np.int64)
-    for qs, qe, ts, te, rows, cols in keep:  # typed pairs: compare only
-        _count_tile(counts, rows, floor, qs, qe, ts, te, rows_only=True)
-        _count_tile(counts, cols, floor, ts, te, qs, qe, rows_only=True)
-    keep.clear()
-    cb = COUNT_BLOCK_ROWS
-    starts = layout.starts
-    for c in range(len(starts) - 1):  # same cell: upper triangle of its tiles, groups sorted inside
-        c0, c1 = int(starts[c]), int(starts[c + 1])
-        for qs in range(c0, c1, cb):
-            qe = min(qs + cb, c1)
-            for ts in range(qs, c1, cb):
-                te = min(ts + cb, c1)
-                sim = us[qs:qe] @ us[ts:te].T
-                if gs[qe - 1] >= gs[ts]:
-                    np.copyto(sim, neg, where=gs[qs:qe, None] == gs[None, ts:te])
-                _count_tile(counts, sim, floor, qs, qe, ts, te, rows_only=ts == qs)
-    for q, t, shared in layout.oo_pairs:  # other label and other confounder
-        for qs in range(int(starts[q]), int(starts[q + 1]), cb):
-            qe = min(qs + cb, int(starts[q + 1]))
-            for ts in range(int(starts[t]), int(starts[t + 1]), cb):
-                te = min(ts + cb, int(starts[t + 1]))
-                sim = us[qs:qe] @ us[ts:te].T
-                if shared:
-                    np.copyto(sim, neg, where=gs[qs:qe, None] == gs[None, ts:te])
-                _count_tile(counts, sim, floor, qs, qe, ts, te)
+    for part in hits:  # integer sums: order-independent
+        for start, c in part:
+            counts[start : start + c.size] += c
     out = np.empty(n, dtype=np.int64)
     out[layout.order] = counts
     return so, os_, out
