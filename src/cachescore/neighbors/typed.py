@@ -32,9 +32,10 @@ query blocks or untyped tiles) on :func:`search_threads` Python threads (the CPU
 a Dask worker task) with BLAS pinned to one thread for the whole call (:func:`_parallel`). numpy's
 GEMMs, comparisons, copies and partitions release the GIL, so tiles run in parallel; tasks are
 fixed by the layout (never by the thread count) and partials are merged by order-independent
-reductions, so results are bit-identical for every thread count. A multithreaded BLAS on these
-small tiles was also the main cost at small N on a loaded machine (N = 2,000: 0.65 s wall with
-2 BLAS threads vs 0.05 s pinned, load ~2.5).
+reductions, so results are bit-identical for every thread count. Scopes under
+:data:`PARALLEL_MIN_WORK` run on the calling thread. A multithreaded BLAS on these tiles was the
+main cost on a loaded machine: N = 2,000 took 0.39 s with 2 BLAS threads vs 0.04 s pinned
+(another process holding one of the 2 cores).
 
 :func:`count_within` is the companion counting pass used to reproduce croma's search-schedule
 diagnostics (``k_final``, ``retries``) without growing a window. It compares similarities with a
@@ -49,8 +50,8 @@ pairwise distance of the scope is then computed once (~n²·d/2 multiply-adds in
 
 Cost at N = 8,000, D = 384, float32, 2 labels × 4 confounders (``benchmarks/croma_speed.py``): the
 typed search is ~12 GFLOP of GEMM, the separate counting pass ~25 GFLOP, the fused pair ~25 GFLOP
-in total; CRoMa.compute takes ~0.4 s of CPU there, of which ~0.25 s is GEMM; the rest is mostly
-partitions (~12 %), tile transposes (~9 %) and the manifest normalisation (~10 %).
+in total; CRoMa.compute takes ~0.38 s of CPU there (about 2/3 GEMM; the rest mostly partitions
+and tile transposes), ~0.2–0.26 s wall on 2 threads of an otherwise idle 2-core machine.
 """
 
 from __future__ import annotations
