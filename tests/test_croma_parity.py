@@ -209,8 +209,8 @@ def run_parity(x, df, design, params):
 
 # --------------------------------------------------------------------------- tests
 
-ALL_SEEDS = range(24)
-PAIRED_SEEDS = range(14)
+ALL_SEEDS = range(40)
+PAIRED_SEEDS = range(20)
 
 
 @pytest.mark.parametrize("seed", ALL_SEEDS)
@@ -242,7 +242,7 @@ def test_parity_corpus_mostly_scores_and_exercises_the_schedule():
         r = next(iter(r.values())) if isinstance(r, dict) else r
         outcomes.append("ok")
         schedules.add((r.k_start, r.k_final, r.retries))
-    assert outcomes.count("ok") >= 18
+    assert outcomes.count("ok") >= 0.75 * len(ALL_SEEDS)
     assert len(schedules) >= 10
     assert any(s[2] >= 2 for s in schedules)
 

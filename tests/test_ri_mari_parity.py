@@ -32,7 +32,7 @@ from cachescore.neighbors.normalize import normalize_rows
 
 from conftest import call_capturing, make_toy_manifest
 
-N_CASES = 42
+N_CASES = 60
 CONF = "scanner_vendor"
 SUBSET_NAMES = ["p10", "p2", "B", "a", "s0", "s1"]
 
