@@ -13,6 +13,8 @@ import json
 from pathlib import Path
 
 import numpy as np
+
+from .._finite import nonfinite_rows
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -431,18 +433,10 @@ class Cache:
             if checksums and _sha256_file(Path(path)) != shard.sha256:
                 raise ShardError(f"{label}: shard {path} (rows {shard.start}:{shard.stop}) does not match its sha256 in meta.json")
             if finite and shard.rows:
-                step = max(1, (64 << 20) // max(1, meta.dim * meta.dtype.itemsize))
-                for lo in range(0, shard.rows, step):
-                    block = np.asarray(mm[lo : lo + step])
-                    with np.errstate(over="ignore", invalid="ignore"):
-                        total = block.sum(dtype=np.float64)
-                    if np.isfinite(total):
-                        continue
-                    bad = np.flatnonzero(~np.isfinite(block).all(axis=1))
-                    if bad.size:
-                        rows = bad + shard.start + lo
-                        raise NonFiniteError(f"{label}: shard {path} (rows {shard.start}:{shard.stop}) has NaN or "
-                                             f"infinite values at tileset rows {_rows(rows)}")
+                bad = nonfinite_rows(mm)
+                if bad.size:
+                    raise NonFiniteError(f"{label}: shard {path} (rows {shard.start}:{shard.stop}) has NaN or "
+                                         f"infinite values at tileset rows {_rows(bad + shard.start)}")
         if signature and signature == self._stat_signature(meta):
             if len(_VALIDATED) >= _VALIDATED_MAX:
                 _VALIDATED.pop(next(iter(_VALIDATED)))

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .._finite import nonfinite_rows
+
 from .errors import CacheError, ShardNotFoundError
 from .layout import check_name, embeddings_dir, meta_path, parse_meta, tiles_path, view_sidecar_path, view_table_path
 from .writer import _rows, sample_ids_digest
@@ -82,22 +84,6 @@ def _sha256(path: Path) -> str:
     from .reader import _sha256_file
 
     return _sha256_file(path)
-
-
-def _nonfinite_rows(mm: np.ndarray, step_bytes: int = 64 << 20) -> np.ndarray:
-    """Row positions of ``mm`` holding NaN/inf; a cheap sum per block first, the scan only on failure."""
-    step = max(1, step_bytes // max(1, mm.shape[1] * mm.dtype.itemsize))
-    bad = []
-    for lo in range(0, mm.shape[0], step):
-        block = np.asarray(mm[lo: lo + step])
-        with np.errstate(over="ignore", invalid="ignore"):
-            total = block.sum(dtype=np.float64)
-        if np.isfinite(total):
-            continue
-        rows = np.flatnonzero(~np.isfinite(block).all(axis=1))
-        if rows.size:
-            bad.append(rows + lo)
-    return np.concatenate(bad) if bad else np.empty(0, dtype=np.int64)
 
 
 def _visible_dirs(folder: Path) -> list[Path]:
@@ -172,7 +158,7 @@ def _check_embeddings(cache, encoder: str, tileset: str, tileset_ids: dict, prob
                                     message=f"{label}: shard {path} (rows {shard.start}:{shard.stop}) does not match "
                                             "its sha256 in meta.json"))
         if finite and shard.rows:
-            bad = _nonfinite_rows(mm) + shard.start
+            bad = nonfinite_rows(mm) + shard.start
             if bad.size:
                 problems.append(Problem(kind="non_finite", rows=tuple(int(r) for r in bad[:MAX_ROWS]), n_rows=int(bad.size),
                                         message=f"{label}: shard {path} (rows {shard.start}:{shard.stop}) has NaN or "

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+
+from .._finite import nonfinite_rows
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -258,13 +260,7 @@ def _write_shard(path: Path, start: int, stop: int, dim: int, dtype: np.dtype, r
 
 
 def _check_finite_block(block: np.ndarray, offset: int, source: str) -> None:
-    if block.size == 0:
-        return
-    with np.errstate(over="ignore", invalid="ignore"):
-        total = block.sum(dtype=np.float64)
-    if np.isfinite(total):
-        return
-    bad = np.flatnonzero(~np.isfinite(block).all(axis=1))
+    bad = nonfinite_rows(block)
     if bad.size:
         raise NonFiniteError(f"{source}: NaN or infinite values at rows {_rows(bad + offset)}")
 

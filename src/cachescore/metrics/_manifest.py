@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from .._finite import nonfinite_rows
+
 __all__ = [
     "GROUP_COLUMN",
     "REQUIRED_COLUMNS",
@@ -338,15 +340,9 @@ def check_finite_rows(features: np.ndarray, rows: np.ndarray | None = None, *, s
     restricts the check to those manifest positions (a scope).
     """
     block = features if rows is None else features[rows]
-    if block.size == 0 or not np.issubdtype(block.dtype, np.floating):
-        return
-    with np.errstate(over="ignore", invalid="ignore"):
-        total = block.sum(dtype=np.float64)
-    if np.isfinite(total):
-        return
-    bad = np.flatnonzero(~np.isfinite(block).all(axis=1))
+    bad = nonfinite_rows(block)
     if bad.size == 0:
-        return  # the sum overflowed on finite values
+        return
     positions = bad if rows is None else np.asarray(rows)[bad]
     shown = [int(i) for i in positions[:5]]
     more = f" (and {bad.size - 5} more)" if bad.size > 5 else ""
