@@ -222,11 +222,7 @@ def run_unit(unit, unit_fn=None, load_fn=None, run_id: str | None = None) -> dic
             t1 = time.perf_counter()
             record, per_unit = unit_fn(unit, features, manifest)
         except DATA_ERRORS as exc:
-            err = f"{type(exc).__name__}: {exc}"
-            store.record_failure(unit.fingerprint, unit=dict(unit.describe(), run_id=run_id), error=err)
-            return {"fingerprint": unit.fingerprint, "label": unit.label, "status": "failed", "error": err,
-                    "traceback": traceback.format_exc(limit=5), "seconds": time.perf_counter() - t0,
-                    "worker_pid": os.getpid()}
+            return _record_data_failure(store, unit, exc, run_id=run_id, started=t0)
     t2 = time.perf_counter()
     record = dict(record)
     record.setdefault("fingerprint", unit.fingerprint)
@@ -240,6 +236,18 @@ def run_unit(unit, unit_fn=None, load_fn=None, run_id: str | None = None) -> dic
     store.write_unit(unit.fingerprint, record=record, per_unit=per_unit)
     return {"fingerprint": unit.fingerprint, "label": unit.label, "status": "done",
             "seconds": record["seconds"], "worker_pid": os.getpid()}
+
+
+def _record_data_failure(store, unit, exc: BaseException, *, run_id, started: float) -> dict:
+    """Record a data error as the unit's failure (not retried) and return the task's status dict.
+
+    Must be called from inside the ``except`` block (the traceback is the current exception's).
+    """
+    err = f"{type(exc).__name__}: {exc}"
+    store.record_failure(unit.fingerprint, unit=dict(unit.describe(), run_id=run_id), error=err)
+    return {"fingerprint": unit.fingerprint, "label": unit.label, "status": "failed", "error": err,
+            "traceback": traceback.format_exc(limit=5), "seconds": time.perf_counter() - started,
+            "worker_pid": os.getpid()}
 
 
 def run_probe_task(unit, bundle_root, run_id: str | None = None, probe_fn=None) -> dict:
@@ -268,11 +276,7 @@ def run_probe_task(unit, bundle_root, run_id: str | None = None, probe_fn=None) 
             records, _ = probe_fn(unit.cache_root, unit.encoder, unit.view, unit.params, bundle_root=bundle_root,
                                   client=client, code_version=unit.code_version)
     except DATA_ERRORS as exc:
-        err = f"{type(exc).__name__}: {exc}"
-        store.record_failure(unit.fingerprint, unit=dict(unit.describe(), run_id=run_id), error=err)
-        return {"fingerprint": unit.fingerprint, "label": unit.label, "status": "failed", "error": err,
-                "traceback": traceback.format_exc(limit=5), "seconds": time.perf_counter() - t0,
-                "worker_pid": os.getpid()}
+        return _record_data_failure(store, unit, exc, run_id=run_id, started=t0)
     written = write_probe_records(store, records, run_id=run_id)
     return {"fingerprint": unit.fingerprint, "label": unit.label, "status": "done", "records": written,
             "seconds": time.perf_counter() - t0, "worker_pid": os.getpid()}
