@@ -159,8 +159,9 @@ def resolve_backend(backend: str, *, max_scope_rows: int, dim: int, threshold: f
     """Resolve ``auto`` to ``exact`` when ``max_scope_rows**2 * dim <= threshold``, else ``ann``."""
     if backend != "auto":
         return backend
-    cost = float(max_scope_rows) ** 2 * float(dim)
-    return "exact" if cost <= threshold else "ann"
+    from ..neighbors.registry import choose_backend
+
+    return choose_backend(max_scope_rows, dim, threshold)
 
 
 def unit_fingerprint(*, encoder, view, design, metric, confounder_column, params, inputs, code) -> str:
