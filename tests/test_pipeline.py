@@ -359,7 +359,12 @@ def _ann_vs_exact(tmp_path, demo_cache, families):
             re_, pe = score_unit(ue, features, manifest)
             ra, pa_ = score_unit(ua, features, manifest)
         assert np.isnan(re_["recall"]) and ra["recall"] == 1.0
-        assert ra["value"] == re_["value"] and ra["k"] == re_["k"]
+        assert ra["value"] == re_["value"]
+        if ue.metric == "croma":
+            # ANN CRoMa skips the O(n^2 d) counting pass behind croma's schedule diagnostics
+            assert ra["k"] == -1 and re_["k"] > 0
+        else:
+            assert ra["k"] == re_["k"]
         pd.testing.assert_frame_equal(pa_, pe)
 
 

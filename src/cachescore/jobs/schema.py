@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ..neighbors.registry import DEFAULT_AUTO_THRESHOLD
+
 __all__ = [
     "SCHEMA_VERSION",
     "SCHEMA",
@@ -191,7 +193,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
     "neighbors": {
         "backend": Key((str,), "auto", "Neighbour search: 'exact', 'ann' or 'auto' (exact below auto_threshold).",
                        _one_of(BACKENDS)),
-        "auto_threshold": Key(_NUM, 2.0e13, "Scope cost n*n*d above which 'auto' switches to ANN.", _positive_number),
+        "auto_threshold": Key(_NUM, DEFAULT_AUTO_THRESHOLD, "Scope cost n*n*d above which 'auto' switches to ANN.", _positive_number),
         "recall_target": Key(_NUM, 0.99, "ANN: widen the candidate set until the measured recall reaches this.",
                              _alpha_closed),
         "recall_sample": Key((int,), 1000, "Queries sampled to measure ANN recall against exact search.", _positive_int),

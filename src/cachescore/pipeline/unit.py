@@ -44,8 +44,9 @@ def _nan(x) -> float:
 class _RecordingAnnSearch:
     """An ANN neighbour backend for ``compute_with`` that keeps the recall it measured.
 
-    Wraps the ANN backend's ``*_with_recall`` searches (pynndescent candidates + exact refinement,
-    recall measured against exact search on ``recall_sample`` seeded queries per call). The metric
+    Wraps the ANN backend's ``*_with_recall`` searches (IVF-style candidate clusters, or
+    pynndescent graphs with ``method="graph"``, refined with exact distances; recall measured
+    against exact search on ``recall_sample`` seeded queries per call). The metric
     may call it once per scope (and more than once per scope); :attr:`recall` is the worst
     measured recall over all calls (NaN if it was never called).
     """
@@ -167,7 +168,9 @@ def score_unit(unit, features: np.ndarray, manifest: pd.DataFrame) -> tuple[dict
 
         kw = dict(common, m=int(p["m"]), alpha=float(p["alpha"]), start_k=int(p["start_k"]),
                   k_growth_factor=float(p["k_growth_factor"]))
-        result = (CRoMa.compute_with(search, features, manifest, **kw) if ann
+        # On ANN scopes croma's schedule diagnostics would need an exact O(n^2 d) counting pass
+        # that cancels the ANN gain: they are reported as -1 ("not computed", ADR-0002).
+        result = (CRoMa.compute_with(search, features, manifest, schedule_diagnostics=False, **kw) if ann
                   else CRoMa.compute(features, manifest, **kw))
     else:
         raise ValueError(f"unknown metric family {unit.metric!r} (known: ri, mari, croma)")
