@@ -45,10 +45,7 @@ from cachescore.neighbors.registry import (
     resolve_backend,
 )
 
-try:  # engineer A's exact engine, when present
-    from cachescore.neighbors.exact import cross_group_knn as _exact_cross_group_knn
-except ImportError:  # pragma: no cover - depends on the checkout
-    _exact_cross_group_knn = None
+from cachescore.neighbors.exact import cross_group_knn as _exact_cross_group_knn
 from cachescore.neighbors.typed import typed_knn
 
 
@@ -105,9 +102,7 @@ def reference_typed(u, labels, conf, groups, m):
 
 
 def exact_oracle(u, groups, kmax):
-    if _exact_cross_group_knn is not None:
-        return _exact_cross_group_knn(u, groups, kmax)
-    return ann.exact_knn_rows(u, groups, np.arange(u.shape[0]), kmax)
+    return _exact_cross_group_knn(u, groups, kmax)
 
 
 def assert_same_neighbours(idx, dist, ref_idx, ref_dist, tol):
@@ -186,7 +181,6 @@ def test_exact_rows_match_full_matrix_reference(dtype, seed):
     np.testing.assert_array_equal(si, idx[sub])
 
 
-@pytest.mark.skipif(_exact_cross_group_knn is None, reason="neighbors.exact not in this checkout")
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_exact_rows_match_exact_engine(dtype):
     u, _, _, groups = clustered(1800, 64, seed=5, dtype=dtype)
