@@ -908,7 +908,8 @@ def cross_group_knn_ann_with_recall(
     n_clusters=None,
     probe_fraction=None,
 ) -> AnnKnnResult:
-    """Cross-group kNN by pynndescent candidates + exact refinement, with its measured recall.
+    """Cross-group kNN from an approximate candidate search (``method``: IVF cells or a pynndescent
+    graph) refined with exact distances, with its measured recall.
 
     Parameters
     ----------
