@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from cachescore.cache import AlignmentError, CacheNotFoundError, LayoutError, NonFiniteError, import_cache
+from cachescore.cache import AlignmentError, CacheError, CacheNotFoundError, LayoutError, NonFiniteError, import_cache
 
 
 def manifest(n: int, n_slides: int, rng) -> pd.DataFrame:
@@ -140,7 +140,7 @@ def test_per_slide_errors(tmp_path):
     (folder / f"{slide}.npy").unlink()
     with pytest.raises(CacheNotFoundError, match=rf"encoder 'e', slide '{slide}': file not found"):
         import_cache(tmp_path / "c", tileset="t", manifest=m, encoders={"e": folder}, layout="per_slide")
-    with pytest.raises(Exception, match=r"missing slide column 'slide'"):
+    with pytest.raises(CacheError, match=r"missing slide column 'slide'"):
         import_cache(tmp_path / "c", tileset="t", manifest=m, encoders={"e": folder}, layout="per_slide",
                      slide_column="slide")
     assert not (tmp_path / "c").exists() or not any((tmp_path / "c").rglob("*.parquet"))

@@ -569,3 +569,4 @@ def test_probe_unit_retry_semantics(tmp_path):
     assert len(rows) == 4 and all(r["state"] == "failed" and "ConnectionResetError" in r["detail"] for r in rows)
     again = run(lost)
     assert again.ok and again.executed == 1 and again.skipped == 1
+    assert ResultsStore(lost.store).failures().empty  # the success supersedes the unit's failure

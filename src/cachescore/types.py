@@ -124,7 +124,7 @@ class BootstrapCI:
 class RankStability:
     """Cluster-bootstrap stability of a model ranking (spec §8.2)."""
 
-    models: tuple
+    models: list
     point_value: dict
     point_rank: dict
     mean_rank: dict

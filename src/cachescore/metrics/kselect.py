@@ -17,6 +17,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from .windows import row_block
+
 __all__ = [
     "normalize_k_values",
     "knn_predictions",
@@ -26,7 +28,6 @@ __all__ = [
     "select_k_paired",
 ]
 
-_ROW_BLOCK = 65536
 
 
 def normalize_k_values(k_values: Iterable) -> list[int]:
@@ -62,8 +63,9 @@ def knn_predictions(codes: np.ndarray, idx: np.ndarray, valid: np.ndarray, ks: l
     used = eff > 0
     pred = np.full((n, len(ks)), -1, dtype=np.int64)
     width = idx.shape[1]
-    for r0 in range(0, n, _ROW_BLOCK):
-        r1 = min(n, r0 + _ROW_BLOCK)
+    step = row_block(width)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
         block_idx = idx[r0:r1]
         inside = np.arange(width)[None, :] < valid[r0:r1, None]
         neigh = np.where(inside & (block_idx >= 0), codes[np.where(block_idx >= 0, block_idx, 0)], -1)

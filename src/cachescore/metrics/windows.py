@@ -49,8 +49,13 @@ __all__ = [
 MIN_NEIGHBOR_BUFFER = 64
 #: Smallest normal float64; below it MaRI switches from linear to log-space ratios (spec §6.1).
 TINY = float(np.finfo(np.float64).tiny)
-#: Rows per block for per-unit computations.
-_ROW_BLOCK = 65536
+#: Entries (rows x window width) per block for per-unit computations: ~32 MiB per int64 array.
+BLOCK_ENTRIES = 1 << 22
+
+
+def row_block(width: int) -> int:
+    """Rows per block so that a (rows, ``width``) block holds about :data:`BLOCK_ENTRIES` entries."""
+    return max(1, BLOCK_ENTRIES // max(1, int(width)))
 
 # Neighbour type codes in the type matrix.
 SO, OS, SS, OO, PAD = 0, 1, 2, 3, -1
@@ -216,8 +221,9 @@ def score_scope(table: ScopeTable, valid: np.ndarray, ks: list[int], tau: float 
     n_ss = np.zeros((n, nk), dtype=np.int64)
     n_oo = np.zeros((n, nk), dtype=np.int64)
     eff_all = np.minimum(valid[:, None], kv[None, :])
-    for r0 in range(0, n, _ROW_BLOCK):
-        r1 = min(n, r0 + _ROW_BLOCK)
+    step = row_block(table.width)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
         types = type_matrix(scope.labels, scope.confounders, table.idx[r0:r1], valid[r0:r1], np.arange(r0, r1))
         eff = eff_all[r0:r1]
         if tau is None:
@@ -300,9 +306,10 @@ def typed_distances(table: ScopeTable, valid: np.ndarray, k: int) -> np.ndarray:
     scope = table.scope
     eff = np.minimum(valid, k)
     parts = []
-    for r0 in range(0, scope.n, _ROW_BLOCK):
-        r1 = min(scope.n, r0 + _ROW_BLOCK)
-        w = min(k, table.width)
+    w = min(k, table.width)
+    step = row_block(w)
+    for r0 in range(0, scope.n, step):
+        r1 = min(scope.n, r0 + step)
         types = type_matrix(scope.labels, scope.confounders, table.idx[r0:r1, :w], eff[r0:r1], np.arange(r0, r1))
         typed = (types == SO) | (types == OS)
         parts.append(table.dist[r0:r1, :w][typed])

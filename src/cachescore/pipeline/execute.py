@@ -159,16 +159,17 @@ def run_probe_units(plan: Plan, client, *, store=None, retries: int = 2, out: Te
 
 
 def ensure_demo_cache(job, out: TextIO | None = sys.stderr) -> bool:
-    """Synthesise the demo cache at ``job.cache`` if ``[demo] synthesise`` is set and the folder
-    does not exist. Returns whether it was created."""
-    if not job.demo.get("synthesise") or Path(job.cache).exists():
+    """Synthesise the demo cache at ``job.cache`` if ``[demo] synthesise`` is set and the cache is
+    not complete (``cache.json``, written last by the synthesiser, is missing: absent folder or an
+    interrupted synthesis). Returns whether it was (re)created."""
+    if not job.demo.get("synthesise") or (Path(job.cache) / "cache.json").exists():
         return False
     from ..cache.synthetic import make_demo_cache
 
     _say(out, f"synthesising demo cache at {job.cache}")
     d = job.demo
     make_demo_cache(job.cache, n_slides_per_cell=d["n_slides_per_cell"], tiles_per_slide=d["tiles_per_slide"],
-                    dim=d["dim"], seed=d["seed"])
+                    dim=d["dim"], seed=d["seed"], overwrite=Path(job.cache).exists())
     return True
 
 

@@ -34,7 +34,7 @@ from ..jobs.schema import Job
 __all__ = ["WorkUnit", "InvalidUnit", "Plan", "plan_job", "code_version", "resolve_backend", "unit_fingerprint"]
 
 #: Source folders/files (relative to the package) whose content is part of the code version.
-_SCORING_SOURCES = ("metrics", "neighbors", "pipeline/unit.py")
+_SCORING_SOURCES = ("metrics", "neighbors", "pipeline/unit.py", "_finite.py", "types.py")
 
 
 #: Environment variable that pins the code version (see :func:`code_version`).

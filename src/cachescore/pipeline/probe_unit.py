@@ -14,9 +14,11 @@ Three layers, each usable alone:
   write the evaluation bundle atomically at ``<bundle_root>/<encoder>/<view>/<fingerprint>`` and
   return one results-store record per (matrix, reduction) -- ``apd`` and ``nipd`` of the
   in-domain matrix and of every test set;
-* :func:`run_probe_and_store` -- what the pipeline calls per (encoder, view): skip a unit whose
-  records are all in the results store, else run it and write its records, or record its data
-  error as the failure of each of its record fingerprints.
+* :func:`run_probe_and_store` -- a library entry point for one (encoder, view) outside a job:
+  skip a unit whose records are all in the results store, else run it and write its records, or
+  record its data error as the failure of each of its record fingerprints. (``cachescore run``
+  goes through :func:`cachescore.pipeline.unit.run_probe_task` instead, which honours the
+  planner's pinned code version.)
 
 Fingerprints (:func:`probe_unit_fingerprint`) are the sha256 of canonical JSON over the input
 fingerprints (embeddings of (encoder, tileset), the view), the normalised parameters and the

@@ -281,5 +281,6 @@ def run_probe_task(unit, bundle_root, run_id: str | None = None, probe_fn=None) 
     except DATA_ERRORS as exc:
         return _record_data_failure(store, unit, exc, run_id=run_id, started=t0)
     written = write_probe_records(store, records, run_id=run_id)
+    store.clear_failure(unit.fingerprint)  # success lives under per-record fingerprints
     return {"fingerprint": unit.fingerprint, "label": unit.label, "status": "done", "records": written,
             "seconds": time.perf_counter() - t0, "worker_pid": os.getpid()}

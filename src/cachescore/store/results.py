@@ -278,6 +278,11 @@ class ResultsStore:
                     "unit": _jsonable(unit), "error": str(error)}
         atomic_write_json(self._failure_json(fp), envelope, overwrite=True)
 
+    def clear_failure(self, fp: str) -> None:
+        """Forget a recorded failure of ``fp`` (for units whose success is stored under other
+        fingerprints, e.g. a probe unit's per-record results). Missing is not an error."""
+        self._failure_json(self._check_fp(fp)).unlink(missing_ok=True)
+
     # -- runs ---------------------------------------------------------------------------------
     @staticmethod
     def _check_run(run_id) -> str:
