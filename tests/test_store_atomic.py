@@ -82,3 +82,27 @@ def test_sweep_only_old_partials(tmp_path):
     keep.write_text("{}")
     assert sweep_partials(tmp_path, older_than_s=60) == 1
     assert not old.exists() and young.exists() and keep.exists()
+
+
+def test_replace_dir_restores_the_old_version_when_publishing_fails(tmp_path, monkeypatch):
+    """overwrite=True: if renaming the new folder into place fails, the old folder is put back
+    (the target is never left missing) and the staging folder is removed."""
+    target, staging = tmp_path / "bundle", tmp_path / ".bundle.tmp"
+    target.mkdir()
+    (target / "v").write_text("old")
+    staging.mkdir()
+    (staging / "v").write_text("new")
+    real_rename = os.rename
+
+    def failing_publish(src, dst):
+        if str(src) == str(staging):
+            raise OSError("disk full")
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", failing_publish)
+    with pytest.raises(OSError, match="disk full"):
+        atomic_replace_dir(staging, target, overwrite=True)
+    monkeypatch.undo()
+    assert (target / "v").read_text() == "old"
+    assert not staging.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle"]

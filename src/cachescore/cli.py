@@ -254,7 +254,9 @@ def _cmd_demo(args) -> int:
     (workdir / "jobs").mkdir(parents=True, exist_ok=True)
     job_path = workdir / "jobs" / "demo.toml"
     if not job_path.exists():
-        job_path.write_text(DEMO_JOB, encoding="utf-8")
+        from .store.atomic import atomic_write_bytes
+
+        atomic_write_bytes(job_path, DEMO_JOB.encode("utf-8"), overwrite=False)
     print(f"demo job: {job_path}")
     ns = argparse.Namespace(job=str(job_path), scheduler=args.scheduler, quiet=False)
     rc = _cmd_run(ns)

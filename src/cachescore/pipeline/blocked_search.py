@@ -131,7 +131,7 @@ def distributed_typed_knn(client, u, labels, confounders, groups, m, *, block_ro
     us_f, gs_f, layout_f = _scatter(client, np.ascontiguousarray(u[layout.order]), gs, layout)
     try:
         futures = [client.submit(_typed_task, us_f, gs_f, layout_f, blk, m, pure=False) for blk in layout.blocks]
-        parts = client.gather(futures)
+        parts = _gather_or_cancel(client, futures)
         return typed_merge(layout, parts, m, u.dtype)
     finally:
         _release(us_f, gs_f, layout_f)
@@ -158,10 +158,19 @@ def distributed_count_within(client, u, groups, radius, *, block_rows=None) -> n
     us_f, gs_f, floor_f = _scatter(client, np.ascontiguousarray(u[order]), gs, floor)
     try:
         futures = [client.submit(_count_task, us_f, gs_f, floor_f, qs, b, pure=False) for qs in range(0, n, b)]
-        parts = client.gather(futures)
+        parts = _gather_or_cancel(client, futures)
         return count_merge(n, order, parts)
     finally:
         _release(us_f, gs_f, floor_f)
+
+
+def _gather_or_cancel(client, futures):
+    """Gather ``futures``; if one task fails, cancel the others before re-raising its error."""
+    try:
+        return client.gather(futures)
+    except BaseException:
+        client.cancel(futures)
+        raise
 
 
 def distributed_cross_group_knn(client, u, groups, kmax, *, block_rows=None, **search_kwargs):
@@ -190,7 +199,7 @@ def distributed_cross_group_knn(client, u, groups, kmax, *, block_rows=None, **s
             client.submit(_cross_group_task, u_f, g_f, kmax, r0, min(r0 + b, n), search_kwargs, pure=False)
             for r0 in range(0, n, b)
         ]
-        parts = sorted(client.gather(futures), key=lambda p: p[0])
+        parts = sorted(_gather_or_cancel(client, futures), key=lambda p: p[0])
         idx = np.concatenate([p[1][0] for p in parts], axis=0)
         dist = np.concatenate([p[1][1] for p in parts], axis=0)
         return idx, dist

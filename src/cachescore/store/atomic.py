@@ -101,7 +101,12 @@ def atomic_replace_dir(staging: Path, target: Path, *, overwrite: bool) -> Path:
             raise FileExistsError(f"{target} already exists; pass overwrite=True to replace it")
         old = target.with_name(f".{target.name}.{os.getpid()}-{uuid.uuid4().hex}.old{PARTIAL_SUFFIX}")
         os.rename(target, old)
-        os.rename(staging, target)
+        try:
+            os.rename(staging, target)
+        except OSError:
+            os.rename(old, target)  # put the previous version back: never leave target missing
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         shutil.rmtree(old, ignore_errors=True)
     else:
         try:
