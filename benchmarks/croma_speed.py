@@ -21,37 +21,14 @@ import os
 import time
 
 import numpy as np
-import pandas as pd
-
-CONF = "center"
+from metrics_vs_croma import CONF, synthetic_view  # sibling script (benchmarks/ is on sys.path)
 
 
-def croma_view(n: int, dim: int = 384, *, tiles_per_slide: int = 20, n_labels: int = 2, n_conf: int = 4, seed: int = 0):
-    """``(features float32 (n, dim), manifest DataFrame)`` of the benchmark view.
-
-    Slide ``s`` holds rows ``[20 s, 20 s + 20)``; its label is ``s % n_labels`` and its confounder
-    ``(s // n_labels) % n_conf`` (every cell is populated by whole slides). Offsets: label 0.35,
-    confounder 0.35, slide 0.2 (per coordinate, std), noise 1.0.
-    """
-    rng = np.random.default_rng(seed)
-    slide = np.arange(n) // tiles_per_slide
-    label = slide % n_labels
-    conf = (slide // n_labels) % n_conf
-    lab_off = rng.normal(0.0, 0.35, size=(n_labels, dim))
-    conf_off = rng.normal(0.0, 0.35, size=(n_conf, dim))
-    slide_off = rng.normal(0.0, 0.2, size=(int(slide.max()) + 1, dim))
-    x = lab_off[label] + conf_off[conf] + slide_off[slide] + rng.standard_normal((n, dim))
-    manifest = pd.DataFrame(
-        {
-            "sample_id": [f"t{i}" for i in range(n)],
-            "image_path": [f"/cache/tiles/{i}.png" for i in range(n)],
-            "label": [f"class{v}" for v in label],
-            CONF: [f"centre{v}" for v in conf],
-            "group_id": [f"slide{v}" for v in slide],
-            "dataset": "synthetic",
-        }
-    )
-    return x.astype(np.float32), manifest
+def croma_view(n: int, dim: int = 384, *, seed: int = 0):
+    """``(features float32 (n, dim), manifest DataFrame)``: the balanced view of
+    ``metrics_vs_croma.py`` (2 labels x 4 confounders, slides of 20 tiles), so both benchmarks
+    time the same data."""
+    return synthetic_view(n, dim, seed=seed, regime="balanced")
 
 
 def best_of(fn, repeats: int):
