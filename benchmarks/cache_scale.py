@@ -1,40 +1,45 @@
-"""Large-scale neighbour-search benchmark: exact (blocked GEMM) vs ANN (``--method ivf``: k-means
-partition + exact GEMMs over probed rows, the default; ``--method graph``: pynndescent + exact
-refinement).
+"""Cache-scale benchmark: score a large synthetic view (RI, MaRI, CRoMa) through the product with
+the ``exact`` and the ``ann`` neighbour backends, and measure wall time, peak memory per worker,
+recall and the speed ratio.
 
-What it does
-------------
-1. Synthesises a view of realistic structure as a row-chunked ``.npy`` on disk (memmap), written
-   chunk by chunk so memory stays bounded: ``--labels`` × ``--confounders`` cells, slides (groups)
-   of ``--slide-min``..``--slide-max`` tiles, each slide in one cell, rows = label centre +
-   confounder shift + per-slide offset + tile noise, doubly L2-normalised in float32
-   (``normalize_rows``), i.e. exactly what the metrics hand to the neighbour backends.
-2. Times the neighbour searches one scoring of RI + MaRI + CRoMa needs: the cross-group top-``kmax``
-   (RI, MaRI, k-selection and tau all read windows of it) and the typed SO/OS top-``m`` (CRoMa):
+``--mode pipeline`` (default)
+-----------------------------
+1. Builds (or reuses, under ``--workdir``) a cache of realistic structure with
+   :func:`cachescore.cache.synthetic.make_scale_cache`: ``--rows`` × ``--dim`` float32, slides of
+   ``--slide-min``..``--slide-max`` tiles, ``--labels`` × ``--confounders`` cells, tiles drawn
+   from ``--morphologies`` prototypes shared across slides with ``--intrinsic-dim``-dimensional
+   within-morphology variation (strongly clustered, like foundation-model embeddings of tiles).
+   The cache is streamed to disk (memory bounded by ``--chunk-rows``); a cache already in the
+   work folder with the same parameters is reused.
+2. Per backend (``--backends exact ann``): writes a job TOML (view ``scale_all``, metrics ri,
+   mari, croma; ``[neighbors] backend``, ``recall_target``, ``recall_sample``), starts its own
+   ``distributed.LocalCluster`` (``--workers`` single-threaded worker processes, BLAS pinned to
+   one thread, no dashboard; its HTTP server on a free port of 127.0.0.1) and runs ``cachescore run JOB --scheduler ADDR`` in-process
+   (:func:`cachescore.cli.main`), each backend into a fresh results store. One cluster per
+   backend, so each backend's per-worker peaks are its own.
+3. While the job runs a sampler thread polls every worker's ``/proc/<pid>/status`` (pids from
+   ``client.run(os.getpid)``) every ``--sample-interval`` seconds: max ``VmRSS`` and max
+   ``RssAnon`` (RSS without the memory-mapped cache shards), and ``VmHWM`` just before the
+   cluster closes. Linux only for the memory figures (they are ``null`` elsewhere).
+4. Prints per backend: wall time of the run, per-worker peaks, the unit records from the results
+   store (:class:`cachescore.store.ResultsStore`: value, k, tau, m, recall, seconds), then the
+   exact/ann speed ratio and ``|ann - exact|`` per metric. ``--json`` writes everything.
 
-   * ``exact``: ``neighbors.exact.cross_group_knn`` and ``neighbors.typed.typed_knn``.
-     ``--exact full`` runs them on all rows; ``--exact sample`` (default) runs them on the first
-     ``--exact-rows`` rows and **extrapolates quadratically** (cost ∝ n² · d), printing both the
-     measured and the extrapolated time; ``--exact skip`` skips them.
-   * ``ann``: ``cross_group_knn_ann_with_recall`` / ``typed_knn_ann_with_recall`` with their
-     measured recall (against exact search on ``--recall-queries`` sampled rows), the method, the
-     calibrated probe fraction and whether the exact engine answered (``exact_path`` /
-     ``exact_cells``: the ivf typed search falls back to it when probing cannot prune).
-3. Prints wall time, peak RSS of this process during each phase (Linux: ``VmHWM`` reset through
-   ``/proc/self/clear_refs``; elsewhere the process-lifetime ``ru_maxrss``), recall and the
-   exact/ANN speed ratio; ``--json`` also writes them to a file.
-
-``--rows 1000000`` (with ``--exact skip``) is the 1M-row ANN-only scope: watch ``peak RSS`` against
-the size of the data (``n·d·4`` bytes, which pynndescent holds once as its own float32 copy).
+``--mode search``
+-----------------
+The earlier in-process raw neighbour-search timing (no pipeline), kept to reproduce old figures:
+``neighbors.exact.cross_group_knn`` / ``typed_knn`` against ``neighbors.ann``'s searches with their
+measured recall, peak RSS of this process per phase. ``--structure isotropic`` (default, the old
+data: label centre + confounder shift + slide offset + isotropic noise) or ``realistic`` (the
+scale cache above, normalised into one ``.npy``). ``--exact sample`` extrapolates exact timings
+quadratically from ``--exact-rows`` rows.
 
 Examples::
 
-    python benchmarks/cache_scale.py --rows 20000 --dim 768              # quick check
-    python benchmarks/cache_scale.py --rows 200000 --exact sample        # the 200k view
-    python benchmarks/cache_scale.py --rows 1000000 --exact skip         # 1M ANN-only scope
-
-With ``--method graph`` the numba JIT of pynndescent (~100 s on a cold process) is paid in a
-separate ``warm_up`` phase and reported, so it does not pollute the ANN timings.
+    python benchmarks/cache_scale.py --rows 20000                               # quick check, both backends
+    python benchmarks/cache_scale.py --rows 200000 --workdir /data/bench --json b200k.json
+    python benchmarks/cache_scale.py --rows 1000000 --backends ann --workdir /data/bench
+    python benchmarks/cache_scale.py --mode search --rows 200000 --exact sample  # old raw-search figures
 """
 
 from __future__ import annotations
@@ -43,12 +48,298 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import sys
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
+
+#: Environment of the benchmark's worker processes: one BLAS/OpenMP/numba thread each.
+WORKER_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+              "NUMBA_NUM_THREADS": "1"}
+#: Columns of the results store printed per unit record (those present are shown).
+RECORD_COLUMNS = ("encoder", "view", "scope", "family", "metric", "m", "value", "k", "tau", "recall",
+                  "n_units", "seconds", "seconds_load", "backend")
+#: Keys of a record's ``extra`` JSON shown when present (ANN diagnostics, if the pipeline records them).
+EXTRA_KEYS = ("seconds_load", "probe_fraction", "ann_method", "ann_exact", "exact_path", "n_clusters", "rounds")
+#: Keys that identify one scored quantity across backends.
+MATCH_KEYS = ("encoder", "view", "scope", "design", "family", "metric", "m")
+
+
+# --------------------------------------------------------------------------------------------
+# memory sampling (Linux /proc)
+
+
+def proc_status(pid: int) -> dict[str, int]:
+    """``VmRSS``, ``RssAnon``, ``VmHWM`` of ``pid`` in bytes (keys missing when unreadable)."""
+    out: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key = line.split(":", 1)[0]
+                if key in ("VmRSS", "RssAnon", "VmHWM"):
+                    out[key] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+class WorkerMemorySampler(threading.Thread):
+    """Polls ``/proc/<pid>/status`` of every worker pid every ``interval`` seconds and keeps the
+    maxima of ``VmRSS`` and ``RssAnon`` per worker; :meth:`finish` stops it and adds ``VmHWM``."""
+
+    def __init__(self, pids: dict[str, int], interval: float = 0.25):
+        super().__init__(daemon=True)
+        self.pids, self.interval = dict(pids), float(interval)
+        self.peaks = {w: {"pid": int(p), "max_vmrss": 0, "max_rssanon": 0, "vmhwm": None, "samples": 0}
+                      for w, p in self.pids.items()}
+        self._stop_event = threading.Event()
+
+    def _sample(self) -> None:
+        for w, pid in self.pids.items():
+            st = proc_status(pid)
+            peak = self.peaks[w]
+            if st:
+                peak["samples"] += 1
+                peak["max_vmrss"] = max(peak["max_vmrss"], st.get("VmRSS", 0))
+                peak["max_rssanon"] = max(peak["max_rssanon"], st.get("RssAnon", 0))
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            self._sample()
+            self._stop_event.wait(self.interval)
+
+    def finish(self) -> dict:
+        self._stop_event.set()
+        self.join()
+        self._sample()
+        for w, pid in self.pids.items():
+            self.peaks[w]["vmhwm"] = proc_status(pid).get("VmHWM")
+        return self.peaks
+
+
+def _mib(v) -> float | None:
+    return None if v is None else round(v / 2**20, 1)
+
+
+# --------------------------------------------------------------------------------------------
+# pipeline mode
+
+
+def cache_folder(a) -> Path:
+    return Path(a.workdir) / (f"scale-cache-{a.rows}x{a.dim}-s{a.seed}-e{a.encoders}-L{a.labels}C{a.confounders}"
+                              f"-M{a.morphologies}r{a.intrinsic_dim}-sl{a.slide_min}_{a.slide_max}")
+
+
+def build_or_reuse_cache(a) -> tuple[Path, dict]:
+    """The scale cache for these arguments (reused when complete: ``cache.json`` present)."""
+    from cachescore.cache.synthetic import make_scale_cache
+
+    root = cache_folder(a)
+    info = {"path": str(root), "rows": a.rows, "dim": a.dim, "data_mib": round(a.rows * a.dim * 4 / 2**20, 1)}
+    if (root / "cache.json").is_file():
+        info.update(reused=True, build_s=0.0)
+        print(f"cache: reusing {root}", flush=True)
+        return root, info
+    print(f"cache: writing {a.rows} x {a.dim} float32 ({info['data_mib']} MiB) to {root} ...", flush=True)
+    t0 = time.perf_counter()
+    make_scale_cache(root, rows=a.rows, dim=a.dim, encoders=[f"enc{i}" for i in range(a.encoders)],
+                     n_labels=a.labels, n_confounders=a.confounders, slide_min=a.slide_min,
+                     slide_max=a.slide_max, n_morphologies=a.morphologies, intrinsic_dim=a.intrinsic_dim,
+                     seed=a.seed, paired_view=a.paired, chunk_rows=a.chunk_rows, overwrite=True)
+    info.update(reused=False, build_s=round(time.perf_counter() - t0, 2))
+    print(f"cache: written in {info['build_s']} s", flush=True)
+    return root, info
+
+
+def _toml_list(values) -> str:
+    return "[" + ", ".join(json.dumps(v) for v in values) + "]"
+
+
+def write_job(path: Path, *, cache: Path, store: Path, backend: str, a) -> Path:
+    """Job file for one backend (schema: ``cachescore schema``)."""
+    views = ["scale_all"] + (["paired_2x2"] if a.paired else [])
+    lines = [
+        "# written by benchmarks/cache_scale.py",
+        "schema_version = 1",
+        "",
+        "[job]",
+        f'name = "cache-scale-{backend}"',
+        f"cache = {json.dumps(str(cache))}",
+        f"store = {json.dumps(str(store))}",
+        "encoders = []",
+        f"views = {_toml_list(views)}",
+        'design = "auto"',
+        "",
+        "[metrics]",
+        'families = ["ri", "mari", "croma"]',
+        "",
+        "[metrics.ri]",
+        f"k_candidates = {_toml_list(a.k_candidates)}",
+        "",
+        "[metrics.mari]",
+        f"k_candidates = {_toml_list(a.k_candidates)}",
+        'tau = "auto"',
+        "",
+        "[metrics.croma]",
+        f"m = {_toml_list(a.m or [5])}",
+        "",
+        "[neighbors]",
+        f'backend = "{backend}"',
+        f"recall_target = {a.recall_target!r}",
+        f"recall_sample = {int(a.recall_queries)}",
+        f"seed = {int(a.seed)}",
+    ]
+    if a.large_scope_rows is not None:
+        lines.append(f"large_scope_rows = {int(a.large_scope_rows)}")
+    lines += ["", "[execution]", f"n_workers = {int(a.workers)}", "retries = 0", "dashboard = false",
+              f"performance_report = {'true' if a.performance_report else 'false'}", ""]
+    path.write_text("\n".join(lines), encoding="utf-8")
+    return path
+
+
+def read_records(store_path: Path):
+    """(records DataFrame with :data:`RECORD_COLUMNS` present, failures DataFrame) of a store."""
+    from cachescore.store import ResultsStore
+
+    store = ResultsStore(store_path)
+    scores = store.scores()
+    if "extra" in scores.columns:
+        extra = [json.loads(e) if isinstance(e, str) and e else {} for e in scores["extra"]]
+        for key in EXTRA_KEYS:
+            if key not in scores.columns and any(key in e for e in extra):
+                scores[key] = [e.get(key) for e in extra]
+    cols = [c for c in dict.fromkeys((*RECORD_COLUMNS, *EXTRA_KEYS, "design")) if c in scores.columns]
+    return scores[cols].sort_values([c for c in ("encoder", "view", "scope", "family", "metric", "m") if c in cols],
+                                    kind="stable").reset_index(drop=True), store.failures()
+
+
+def run_backend(a, backend: str, cache: Path) -> dict:
+    """Run the job for ``backend`` on a fresh LocalCluster; wall time, worker peaks, records."""
+    from distributed import Client, LocalCluster
+
+    from cachescore import cli
+
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    store = Path(a.workdir) / f"store-{backend}-{stamp}-{os.getpid()}"
+    job = write_job(Path(a.workdir) / f"job-{backend}.toml", cache=cache, store=store, backend=backend, a=a)
+    env = dict(WORKER_ENV)
+    env["NUMBA_CACHE_DIR"] = os.environ["NUMBA_CACHE_DIR"]
+    out: dict = {"backend": backend, "job": str(job), "store": str(store)}
+    with LocalCluster(n_workers=a.workers, threads_per_worker=1, processes=True, host="127.0.0.1",
+                      dashboard_address="127.0.0.1:0", scheduler_kwargs={"dashboard": False},
+                      memory_limit=a.memory_limit, env=env) as cluster, \
+            Client(cluster, set_as_default=False) as client:
+        pids = client.run(os.getpid)
+        sampler = WorkerMemorySampler(pids, a.sample_interval)
+        sampler.start()
+        argv = ["run", str(job), "--scheduler", cluster.scheduler_address] + ([] if a.progress else ["--quiet"])
+        t0 = time.perf_counter()
+        try:
+            rc = cli.main(argv)
+        finally:
+            wall = time.perf_counter() - t0
+            peaks = sampler.finish()
+    out.update(rc=int(rc), wall_s=round(wall, 2))
+    out["workers"] = {w: {"pid": p["pid"], "max_vmrss_mib": _mib(p["max_vmrss"] or None),
+                          "max_rssanon_mib": _mib(p["max_rssanon"] or None), "vmhwm_mib": _mib(p["vmhwm"]),
+                          "samples": p["samples"]} for w, p in peaks.items()}
+    out["client_vmhwm_mib"] = _mib(proc_status(os.getpid()).get("VmHWM"))
+    records, failures = read_records(store)
+    out["records"] = json.loads(records.to_json(orient="records", date_format="iso"))
+    out["failures"] = json.loads(failures.to_json(orient="records", date_format="iso"))
+    return out
+
+
+def _fmt(v, nd=4) -> str:
+    if v is None or (isinstance(v, float) and not np.isfinite(v)):
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{nd}f}"
+    return str(v)
+
+
+def print_backend(res: dict) -> None:
+    print(f"\n== backend {res['backend']}: wall {res['wall_s']:.1f} s, exit code {res['rc']}, store {res['store']}")
+    for w, p in sorted(res["workers"].items()):
+        print(f"   worker {w} (pid {p['pid']}): peak VmRSS {_fmt(p['max_vmrss_mib'], 1)} MiB, "
+              f"peak RssAnon {_fmt(p['max_rssanon_mib'], 1)} MiB, VmHWM {_fmt(p['vmhwm_mib'], 1)} MiB "
+              f"({p['samples']} samples)")
+    print(f"   client process VmHWM {_fmt(res['client_vmhwm_mib'], 1)} MiB")
+    cols = [c for c in dict.fromkeys((*RECORD_COLUMNS, *EXTRA_KEYS)) if res["records"] and c in res["records"][0]]
+    if res["records"]:
+        print("   " + "  ".join(f"{c:>10}" for c in cols))
+        for r in res["records"]:
+            print("   " + "  ".join(f"{_fmt(r.get(c)):>10}" for c in cols))
+    for f in res["failures"]:
+        print(f"   FAILED: {f}")
+
+
+def compare(results: dict) -> dict:
+    """Speed ratio exact/ann and |ann - exact| per matched record."""
+    ex, an = results.get("exact"), results.get("ann")
+    if not ex or not an:
+        return {}
+    out = {"speed_ratio_wall": round(ex["wall_s"] / an["wall_s"], 3) if an["wall_s"] > 0 else None, "metrics": []}
+
+    def key(r):
+        return tuple(r.get(k) for k in MATCH_KEYS)
+
+    ann_by = {key(r): r for r in an["records"]}
+    for r in ex["records"]:
+        s = ann_by.get(key(r))
+        if s is None:
+            continue
+        diff = None if r.get("value") is None or s.get("value") is None else abs(s["value"] - r["value"])
+        ratio = (r["seconds"] / s["seconds"]) if r.get("seconds") and s.get("seconds") else None
+        out["metrics"].append({**{k: r.get(k) for k in MATCH_KEYS if k in r}, "exact": r.get("value"),
+                               "ann": s.get("value"), "abs_diff": diff, "recall": s.get("recall"),
+                               "k_exact": r.get("k"), "k_ann": s.get("k"), "tau_exact": r.get("tau"),
+                               "tau_ann": s.get("tau"), "unit_speed_ratio": ratio})
+    return out
+
+
+def run_pipeline(a) -> int:
+    os.environ.setdefault("NUMBA_CACHE_DIR", os.path.join(tempfile.gettempdir(), "cachescore-numba-cache"))
+    Path(os.environ["NUMBA_CACHE_DIR"]).mkdir(parents=True, exist_ok=True)
+    temp = a.workdir is None
+    a.workdir = a.workdir or tempfile.mkdtemp(prefix="cachescore-scale-")
+    Path(a.workdir).mkdir(parents=True, exist_ok=True)
+    print(f"cache_scale (pipeline): rows={a.rows} dim={a.dim} backends={a.backends} workers={a.workers} "
+          f"recall_target={a.recall_target} cpus={os.cpu_count()} workdir={a.workdir}", flush=True)
+    report: dict = {"mode": "pipeline", "args": vars(a).copy()}
+    try:
+        cache, report["cache"] = build_or_reuse_cache(a)
+        report["results"] = {}
+        for backend in a.backends:
+            res = run_backend(a, backend, cache)
+            report["results"][backend] = res
+            print_backend(res)
+        report["comparison"] = cmp_ = compare(report["results"])
+        if cmp_:
+            print(f"\n== exact vs ann: speed ratio (wall) x{_fmt(cmp_['speed_ratio_wall'], 2)}")
+            for m in cmp_["metrics"]:
+                print(f"   {m.get('family')}/{m.get('metric')} m={_fmt(m.get('m'))} view={m.get('view')} "
+                      f"scope={m.get('scope')}: exact {_fmt(m['exact'])} ann {_fmt(m['ann'])} "
+                      f"|diff| {_fmt(m['abs_diff'], 6)} recall {_fmt(m['recall'])} "
+                      f"unit speed ratio x{_fmt(m['unit_speed_ratio'], 2)}")
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(report, f, indent=2, default=str)
+            print(f"figures written to {a.json}")
+        failed = [b for b, r in report["results"].items() if r["rc"] != 0]
+        return 1 if failed else 0
+    finally:
+        if temp and not a.keep:
+            shutil.rmtree(a.workdir, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------
+# search mode (the earlier in-process raw-search benchmark)
 
 
 def _peak_rss_reset() -> bool:
@@ -61,13 +352,9 @@ def _peak_rss_reset() -> bool:
 
 
 def _peak_rss_bytes() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    hwm = proc_status(os.getpid()).get("VmHWM")
+    if hwm is not None:
+        return hwm
     r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return r if sys.platform == "darwin" else r * 1024
 
@@ -92,10 +379,8 @@ def phase(name: str, results: dict):
 
 def synthesise(path: str, n: int, d: int, *, n_labels: int, n_conf: int, smin: int, smax: int,
                seed: int, chunk_rows: int):
-    """Write the normalised float32 view (n, d) to ``path`` (.npy memmap) chunk by chunk.
-
-    Returns (memmap, labels, confounders, groups); codes are int64 arrays of shape (n,).
-    """
+    """Isotropic data (the old benchmark's): write the normalised float32 view (n, d) to ``path``
+    (.npy memmap) chunk by chunk. Returns (memmap, labels, confounders, groups) (int64 codes)."""
     from cachescore.neighbors.normalize import normalize_rows
 
     rng = np.random.default_rng(seed)
@@ -125,30 +410,32 @@ def synthesise(path: str, n: int, d: int, *, n_labels: int, n_conf: int, smin: i
     return np.load(path, mmap_mode="r"), labels, conf, groups
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rows", type=int, default=200_000)
-    p.add_argument("--dim", type=int, default=768)
-    p.add_argument("--labels", type=int, default=2)
-    p.add_argument("--confounders", type=int, default=4)
-    p.add_argument("--slide-min", type=int, default=20)
-    p.add_argument("--slide-max", type=int, default=100)
-    p.add_argument("--kmax", type=int, default=100, help="cross-group window (RI/MaRI)")
-    p.add_argument("--m", type=int, default=20, help="typed neighbours per type (CRoMa m_max)")
-    p.add_argument("--exact", choices=("full", "sample", "skip"), default="sample")
-    p.add_argument("--exact-rows", type=int, default=20_000, help="rows for --exact sample")
-    p.add_argument("--recall-target", type=float, default=0.99)
-    p.add_argument("--recall-queries", type=int, default=1000)
-    p.add_argument("--chunk-rows", type=int, default=32768, help="rows per synthesis chunk")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workdir", default=None, help="where the .npy goes (default: a temp dir)")
-    p.add_argument("--n-jobs", type=int, default=1, help="numba threads for pynndescent")
-    p.add_argument("--proxy-dim", type=int, default=None, help="ANN graph on a projection (see ann.project_rows)")
-    p.add_argument("--method", choices=("ivf", "graph"), default="ivf", help="ANN method (see neighbors.ann)")
-    p.add_argument("--skip-typed", action="store_true", help="only the cross-group search")
-    p.add_argument("--json", default=None, help="also write the figures to this JSON file")
-    a = p.parse_args(argv)
+def realistic_view(path: str, a):
+    """The scale cache's ``scale_all`` view (encoder ``enc0``), normalised into one float32 ``.npy``
+    (memmap) chunk by chunk. Returns (memmap, labels, confounders, groups) (int64 codes)."""
+    import pandas as pd
 
+    from cachescore.cache import Cache
+    from cachescore.neighbors.normalize import normalize_rows
+
+    root, _ = build_or_reuse_cache(a)
+    c = Cache(root)
+    view = c.read_view("scale_all")
+    x = c.view_embeddings("enc0", "scale_all")
+    n, d = x.shape
+    out = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(n, d))
+    for s in range(0, n, a.chunk_rows):
+        out[s : s + a.chunk_rows] = normalize_rows(np.asarray(x[s : s + a.chunk_rows].compute(), dtype=np.float32))
+    out.flush()
+    del out
+
+    def codes(col):
+        return pd.factorize(view[col], sort=True)[0].astype(np.int64)
+
+    return np.load(path, mmap_mode="r"), codes("label"), codes("centre"), codes("group_id")
+
+
+def run_search(a) -> int:
     from threadpoolctl import threadpool_info
 
     from cachescore.neighbors import ann
@@ -157,17 +444,24 @@ def main(argv=None) -> int:
     configure()
     results: dict = {}
     n, d = a.rows, a.dim
-    print(f"cache_scale: n={n} d={d} cells={a.labels}x{a.confounders} slides {a.slide_min}-{a.slide_max} "
-          f"kmax={a.kmax} m={a.m} exact={a.exact} cpus={os.cpu_count()} "
+    kmax = a.kmax
+    m = (a.m or [20])[0]
+    print(f"cache_scale (search): n={n} d={d} structure={a.structure} cells={a.labels}x{a.confounders} "
+          f"slides {a.slide_min}-{a.slide_max} kmax={kmax} m={m} exact={a.exact} cpus={os.cpu_count()} "
           f"blas={[(i.get('internal_api'), i.get('num_threads')) for i in threadpool_info()]}", flush=True)
-    workdir = a.workdir or tempfile.mkdtemp(prefix="cachescore-bench-")
-    path = os.path.join(workdir, f"view_{n}x{d}.npy")
+    temp = a.workdir is None
+    a.workdir = a.workdir or tempfile.mkdtemp(prefix="cachescore-bench-")
+    Path(a.workdir).mkdir(parents=True, exist_ok=True)
+    path = os.path.join(a.workdir, f"view_{a.structure}_{n}x{d}.npy")
 
     with phase("synthesise", results) as e:
-        u, labels, conf, groups = synthesise(
-            path, n, d, n_labels=a.labels, n_conf=a.confounders, smin=a.slide_min,
-            smax=a.slide_max, seed=a.seed, chunk_rows=a.chunk_rows,
-        )
+        if a.structure == "realistic":
+            u, labels, conf, groups = realistic_view(path, a)
+        else:
+            u, labels, conf, groups = synthesise(
+                path, n, d, n_labels=a.labels, n_conf=a.confounders, smin=a.slide_min,
+                smax=a.slide_max, seed=a.seed, chunk_rows=a.chunk_rows,
+            )
         e["data_mib"] = round(n * d * 4 / 2**20, 1)
         e["groups"] = int(groups.max() + 1)
 
@@ -183,12 +477,12 @@ def main(argv=None) -> int:
         ue = u if ne == n else np.ascontiguousarray(u[:ne])
         scale = (n / ne) ** 2
         with phase("exact cross_group_knn", results) as e:
-            cross_group_knn(ue, groups[:ne], a.kmax)
+            cross_group_knn(ue, groups[:ne], kmax)
             e["rows"] = ne
         results["exact cross_group_knn"]["est_full_s"] = results["exact cross_group_knn"]["wall_s"] * scale
         if not a.skip_typed:
             with phase("exact typed_knn", results) as e:
-                typed_knn(ue, labels[:ne], conf[:ne], groups[:ne], a.m)
+                typed_knn(ue, labels[:ne], conf[:ne], groups[:ne], m)
                 e["rows"] = ne
             results["exact typed_knn"]["est_full_s"] = results["exact typed_knn"]["wall_s"] * scale
         if ne < n:
@@ -198,7 +492,7 @@ def main(argv=None) -> int:
 
     with phase("ann cross_group_knn", results) as e:
         r = ann.cross_group_knn_ann_with_recall(
-            u, groups, a.kmax, recall_target=a.recall_target, random_state=a.seed,
+            u, groups, kmax, recall_target=a.recall_target, random_state=a.seed,
             n_recall_queries=a.recall_queries, n_jobs=a.n_jobs, proxy_dim=a.proxy_dim, method=a.method,
         )
         e.update(recall=round(r.recall, 5), rounds=r.rounds, method=r.method, probe_fraction=r.probe_fraction,
@@ -207,7 +501,7 @@ def main(argv=None) -> int:
     if not a.skip_typed:
         with phase("ann typed_knn", results) as e:
             t = ann.typed_knn_ann_with_recall(
-                u, labels, conf, groups, a.m, recall_target=a.recall_target, random_state=a.seed,
+                u, labels, conf, groups, m, recall_target=a.recall_target, random_state=a.seed,
                 n_recall_queries=a.recall_queries, n_jobs=a.n_jobs, proxy_dim=a.proxy_dim, method=a.method,
             )
             e.update(recall=round(t.recall, 5), rounds=t.rounds, method=t.method, probe_fraction=t.probe_fraction,
@@ -227,11 +521,71 @@ def main(argv=None) -> int:
                   f"{an['peak_rss_mib']:.0f} MiB (data {results['synthesise']['data_mib']} MiB)")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "results": results}, f, indent=2)
-    if a.workdir is None:
+            json.dump({"mode": "search", "args": vars(a), "results": results}, f, indent=2, default=str)
+    del u
+    if temp and not a.keep:
+        shutil.rmtree(a.workdir, ignore_errors=True)
+    else:
         os.remove(path)
-        os.rmdir(workdir)
     return 0
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=("pipeline", "search"), default="pipeline",
+                   help="pipeline: score the view through the product (default); search: raw in-process searches")
+    g = p.add_argument_group("data")
+    g.add_argument("--rows", type=int, default=200_000)
+    g.add_argument("--dim", type=int, default=768)
+    g.add_argument("--labels", type=int, default=2)
+    g.add_argument("--confounders", type=int, default=4)
+    g.add_argument("--slide-min", type=int, default=20)
+    g.add_argument("--slide-max", type=int, default=100)
+    g.add_argument("--morphologies", type=int, default=64, help="morphology prototypes (scale cache)")
+    g.add_argument("--intrinsic-dim", type=int, default=24, help="within-morphology dimension (scale cache)")
+    g.add_argument("--encoders", type=int, default=1, help="encoders in the scale cache (enc0, enc1, ...)")
+    g.add_argument("--paired", action="store_true", help="also write and score the paired_2x2 view")
+    g.add_argument("--chunk-rows", type=int, default=32768, help="rows per shard / synthesis chunk")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--workdir", default=None,
+                   help="cache, job files and stores go here (reused across runs); default: a temp dir, removed")
+    g.add_argument("--keep", action="store_true", help="keep the temporary work folder")
+    g = p.add_argument_group("pipeline mode")
+    g.add_argument("--backends", nargs="+", choices=("exact", "ann", "auto"), default=["exact", "ann"])
+    g.add_argument("--workers", type=int, default=2, help="LocalCluster worker processes (1 thread each)")
+    g.add_argument("--memory-limit", default="auto", help="LocalCluster memory limit per worker")
+    g.add_argument("--k-candidates", type=int, nargs="+", default=[5, 11, 21], help="RI/MaRI windows")
+    g.add_argument("--m", type=int, nargs="+", default=None,
+                   help="CRoMa m (pipeline: list, default 5; search: typed neighbours, default 20)")
+    g.add_argument("--large-scope-rows", type=int, default=None,
+                   help="[neighbors] large_scope_rows of the job (default: the schema's)")
+    g.add_argument("--sample-interval", type=float, default=0.25, help="seconds between /proc samples")
+    g.add_argument("--performance-report", action="store_true", help="save Dask performance reports")
+    g.add_argument("--progress", action="store_true", help="show the CLI's progress bar and leaderboard")
+    g = p.add_argument_group("both modes")
+    g.add_argument("--recall-target", type=float, default=0.99)
+    g.add_argument("--recall-queries", type=int, default=1000, help="ANN recall sample (job: recall_sample)")
+    g.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    g = p.add_argument_group("search mode")
+    g.add_argument("--structure", choices=("isotropic", "realistic"), default="isotropic",
+                   help="isotropic: the old data; realistic: the scale cache")
+    g.add_argument("--kmax", type=int, default=100, help="cross-group window (RI/MaRI)")
+    g.add_argument("--exact", choices=("full", "sample", "skip"), default="sample")
+    g.add_argument("--exact-rows", type=int, default=20_000, help="rows for --exact sample")
+    g.add_argument("--n-jobs", type=int, default=1, help="numba threads for pynndescent")
+    g.add_argument("--proxy-dim", type=int, default=None, help="ANN graph on a projection (see ann.project_rows)")
+    g.add_argument("--method", choices=("ivf", "graph"), default="ivf", help="ANN method (see neighbors.ann)")
+    g.add_argument("--skip-typed", action="store_true", help="only the cross-group search")
+    return p
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    return run_search(a) if a.mode == "search" else run_pipeline(a)
 
 
 if __name__ == "__main__":

@@ -210,13 +210,22 @@ def test_tileset_errors(tmp_path):
         write_tileset(tmp_path, "t", pd.DataFrame({"sample_id": [None, "b", "  "], "image_path": "p"}))
 
 
-def test_view_unknown_sample_id(root):
+def test_view_unknown_sample_id(root, monkeypatch):
     frame = pd.DataFrame({"sample_id": ["s01", "zz", "s02", "yy"], "label": "a"})
     with pytest.raises(ViewError, match=r"view 'v': sample_id values not in tileset 'ts' at rows \[1, 3\] \(e.g. 'zz'\)"):
         write_view(root, "v", frame, tileset="ts", confounder_column="centre")
-    # a table edited by hand is caught on read
+    # a table edited by hand no longer matches the sha256 its sidecar records: refused on read
+    import cachescore.cache.reader as reader_mod
+
+    monkeypatch.setattr(reader_mod, "VIEW_RETRY_PAUSE", 0.0)
     write_view(root, "v", frame.iloc[[0, 2]], tileset="ts", confounder_column="centre")
     pq.write_table(pa.Table.from_pandas(frame, preserve_index=False), root / "views" / "v.parquet")
+    with pytest.raises(ViewError, match=r"v\.parquet does not match the sha256/size recorded in its sidecar"):
+        Cache(root).read_view("v")
+    # with a sidecar that records no table hash (written before they were recorded), the bad
+    # sample_ids are caught on read
+    side = root / "views" / "v.json"
+    side.write_text(json.dumps({k: v for k, v in json.loads(side.read_text()).items() if not k.startswith("table_")}))
     with pytest.raises(ViewError, match=r"v\.parquet: sample_id values not in tileset 'ts' .*at rows \[1, 3\]"):
         Cache(root).read_view("v")
 

@@ -164,3 +164,40 @@ def test_cluster_run_matches_api_and_resumes(tmp_path, cache_root, dask_subproce
     for fp in a:
         for col in ("value", "std", "q_alpha", "ltm_alpha", "f0", "k", "support", "tau", "m"):
             assert same(a[fp][col], b[fp][col]), (fp, col, a[fp][col], b[fp][col])
+
+
+LARGE_JOB = JOB + """
+[metrics.ri]
+k_candidates = [3, 5, 11]
+[metrics.mari]
+k_candidates = [3, 5, 11]
+[neighbors]
+backend = "{backend}"
+large_scope_rows = 50
+recall_sample = 50
+"""
+
+
+@pytest.mark.parametrize("backend", ["exact", "ann"])
+def test_cluster_large_scope_units(tmp_path, cache_root, dask_subprocess_cluster, capsys, backend):
+    """Units planned out of core (``engine = "distributed"``) on real worker processes: RI and MaRI
+    share one table through a scheduler lock, values equal the in-process API, scratch is removed."""
+    addr = dask_subprocess_cluster.address
+    path = tmp_path / "large.toml"
+    path.write_text(LARGE_JOB.format(cache=cache_root, store=tmp_path / "store", backend=backend), encoding="utf-8")
+    assert main(["run", str(path), "--scheduler", addr, "-q"]) == 0
+    assert "executed 16" in capsys.readouterr().out
+    job = load_job(path)
+    units = plan_job(job).done
+    assert {u.params.get("engine") for u in units} == {"distributed"}
+    assert not any((Path(job.store) / "scratch" / "large").glob("*"))
+    stored = scores_by_fp(job.store)
+    cache = Cache(job.cache)
+    for unit in units:
+        ref = api_value(unit, cache)
+        rec = stored[unit.fingerprint]
+        if unit.metric == "ri":
+            assert rec["value"] == ref.value and rec["k"] == ref.k, unit.label
+        else:  # typed distances and MaRI evidence: float32 distance tolerance of spec §12.3
+            assert rec["value"] == pytest.approx(ref.value, rel=1e-6, abs=1e-7), unit.label
+        assert rec["recall"] == 1.0 if backend == "ann" else _missing(rec["recall"])

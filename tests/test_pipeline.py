@@ -195,6 +195,10 @@ def test_failing_inputs_are_recorded_and_the_rest_finishes(tmp_path, demo_cache)
     write_view(cache_root, "broken", frame, tileset="demo", confounder_column="centre", design="all")
     frame.loc[5, "sample_id"] = "no-such-tile"  # edited outside cachescore: the writer would refuse it
     frame.to_parquet(cache_root / "views" / "broken.parquet", index=False)
+    # ... with a sidecar that records no table sha256 (as written before it was recorded; with
+    # it, the reader would refuse the hand-edited table as not belonging to its sidecar)
+    side = cache_root / "views" / "broken.json"
+    side.write_text(json.dumps({k: v for k, v in json.loads(side.read_text()).items() if not k.startswith("table_")}))
 
     job = make_job(tmp_path, cache_root, metrics={"families": ["ri", "croma"]}, **{"metrics.croma": {"m": [5]}})
     CALLS.clear()

@@ -126,12 +126,19 @@ class EmbeddingMeta:
 
 @dataclass(frozen=True)
 class ViewSpec:
-    """A view's sidecar: which tileset it reads, its confounder column, and an optional design hint."""
+    """A view's sidecar: which tileset it reads, its confounder column, and an optional design hint.
+
+    ``table_sha256``/``table_bytes``: the sha256 and size of the ``<view>.parquet`` this sidecar was
+    written with (None in sidecars written before they were recorded); readers use them to refuse
+    a table that does not belong to this sidecar (a replacement in progress).
+    """
 
     name: str
     tileset: str
     confounder_column: str
     design: str | None = None
+    table_sha256: str | None = None
+    table_bytes: int | None = None
 
 
 def _read_json(path: Path, what: str) -> dict:
@@ -198,4 +205,10 @@ def parse_view_spec(path: Path, *, view: str) -> ViewSpec:
         if not isinstance(design, str) or design.strip().lower() not in ("all", "paired_2x2"):
             raise ViewError(f"{path}: key 'design' must be 'all', 'paired_2x2' or absent, got {design!r}")
         design = design.strip().lower()
-    return ViewSpec(name=view, tileset=data["tileset"], confounder_column=data["confounder_column"].strip(), design=design)
+    digest, size = data.get("table_sha256"), data.get("table_bytes")
+    if digest is not None and not (isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest)):
+        raise ViewError(f"{path}: key 'table_sha256' must be 64 lowercase hex digits or absent, got {digest!r}")
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
+        raise ViewError(f"{path}: key 'table_bytes' must be an integer >= 0 or absent, got {size!r}")
+    return ViewSpec(name=view, tileset=data["tileset"], confounder_column=data["confounder_column"].strip(), design=design,
+                    table_sha256=digest, table_bytes=size)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -92,6 +93,20 @@ def gather_rows(paths: tuple[str, ...], offsets: np.ndarray, dim: int, dtype: st
         order = np.argsort(local, kind="stable")  # sorted reads are kinder to the page cache
         out[sel[order]] = mm[local[order]]
     return out
+
+
+#: Attempts, and the pause before each retry (seconds, times the attempt number), to read a view's
+#: table and sidecar as a matching pair while ``write_view(overwrite=True)`` swaps them.
+VIEW_READ_ATTEMPTS = 6
+VIEW_RETRY_PAUSE = 0.05
+
+
+def _view_mismatch(view: str, table: Path, sidecar: Path, attempts: int) -> ViewError:
+    return ViewError(
+        f"view {view!r}: {table} does not match the sha256/size recorded in its sidecar {sidecar} "
+        f"(checked {attempts} times): the view is being replaced right now, or one of its files was "
+        "changed outside write_view; retry, or rewrite the view with write_view"
+    )
 
 
 def _sha256_file(path: Path) -> str:
@@ -204,6 +219,32 @@ class Cache:
         check_name("view", view)
         return parse_view_spec(view_sidecar_path(self.root, view), view=view)
 
+    def _view_pair(self, view: str) -> tuple[ViewSpec, bytes]:
+        """The sidecar and the table bytes of ``view``, as a pair that belongs together.
+
+        The table bytes must match the sidecar's ``table_sha256``/``table_bytes`` (when recorded);
+        on a mismatch both are re-read (a concurrent ``write_view(overwrite=True)`` finishes its
+        second rename within moments), up to :data:`VIEW_READ_ATTEMPTS` times, then
+        :class:`ViewError`. The bytes returned are the bytes that were checked.
+        """
+        path = view_table_path(self.root, view)
+        for attempt in range(1, VIEW_READ_ATTEMPTS + 1):
+            spec = self.view_spec(view)
+            try:
+                data = path.read_bytes()
+            except FileNotFoundError:
+                raise CacheNotFoundError(f"view {view!r} table not found: {path}") from None
+            except OSError as exc:
+                raise LayoutError(f"{path}: cannot read: {exc}") from exc
+            if spec.table_sha256 is None or (
+                (spec.table_bytes is None or len(data) == spec.table_bytes)
+                and hashlib.sha256(data).hexdigest() == spec.table_sha256
+            ):
+                return spec, data
+            if attempt < VIEW_READ_ATTEMPTS:
+                time.sleep(VIEW_RETRY_PAUSE * attempt)
+        raise _view_mismatch(view, path, view_sidecar_path(self.root, view), VIEW_READ_ATTEMPTS)
+
     def read_view(self, view: str) -> pd.DataFrame:
         """The view's rows in view order, ready for croma's metric API.
 
@@ -214,14 +255,14 @@ class Cache:
 
         Raises :class:`ViewError` naming the file, column and rows for missing columns, missing or
         blank values in required columns, sample_ids unknown to the tileset, or a reserved ``row``
-        column; :class:`CacheNotFoundError` for a missing file.
+        column, and for a table that does not match the sha256/size its sidecar records (after
+        re-reading while a ``write_view(overwrite=True)`` may be in flight: a mixed old/new pair is
+        never used); :class:`CacheNotFoundError` for a missing file.
         """
-        spec = self.view_spec(view)
+        spec, data = self._view_pair(view)
         path = view_table_path(self.root, view)
-        if not path.is_file():
-            raise CacheNotFoundError(f"view {view!r} table not found: {path}")
         try:
-            frame = pq.read_table(path).to_pandas()
+            frame = pq.read_table(pa.BufferReader(data)).to_pandas()
         except (pa.ArrowException, OSError) as exc:
             raise LayoutError(f"{path}: cannot read: {exc}") from exc
         if "sample_id" not in frame.columns:
@@ -376,17 +417,36 @@ class Cache:
                    "shards": [[s.rows, s.sha256] for s in meta.shards]}
         return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
-    def view_fingerprint(self, view: str) -> str:
+    def view_fingerprint(self, view: str, *, tiles_digests: dict | None = None) -> str:
         """sha256 hex over the view's Parquet bytes, its sidecar content and its tileset's
-        ``tiles.parquet`` bytes (the row mapping and image paths come from there)."""
-        spec = self.view_spec(view)
+        ``tiles.parquet`` bytes (the row mapping and image paths come from there).
+
+        The table is checked against the sha256 its sidecar records (re-read while a replacement
+        is in flight, then :class:`ViewError`, as :meth:`read_view`). ``tiles_digests``: an
+        optional memo ``{tiles.parquet path: sha256}`` shared by the caller across views of one
+        tileset (a plan hashes each ``tiles.parquet`` once); missing entries are added."""
         table = view_table_path(self.root, view)
-        if not table.is_file():
-            raise CacheNotFoundError(f"view {view!r} table not found: {table}")
+        for attempt in range(1, VIEW_READ_ATTEMPTS + 1):
+            spec = self.view_spec(view)
+            if not table.is_file():
+                raise CacheNotFoundError(f"view {view!r} table not found: {table}")
+            table_digest = _sha256_file(table)
+            if spec.table_sha256 is None or table_digest == spec.table_sha256:
+                break
+            if attempt < VIEW_READ_ATTEMPTS:
+                time.sleep(VIEW_RETRY_PAUSE * attempt)
+        else:
+            raise _view_mismatch(view, table, view_sidecar_path(self.root, view), VIEW_READ_ATTEMPTS)
         tiles = tiles_path(self.root, spec.tileset)
         if not tiles.is_file():
             raise CacheNotFoundError(f"view {view!r}: tileset {spec.tileset!r} not found: {tiles}")
-        payload = {"view": _sha256_file(table), "tiles": _sha256_file(tiles),
+        if tiles_digests is None:
+            tiles_digest = _sha256_file(tiles)
+        else:
+            tiles_digest = tiles_digests.get(str(tiles))
+            if tiles_digest is None:
+                tiles_digest = tiles_digests[str(tiles)] = _sha256_file(tiles)
+        payload = {"view": table_digest, "tiles": tiles_digest,
                    "sidecar": {"tileset": spec.tileset, "confounder_column": spec.confounder_column, "design": spec.design}}
         return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 

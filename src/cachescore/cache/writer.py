@@ -96,9 +96,13 @@ def _rows(positions: np.ndarray, limit: int = 5) -> str:
     return f"{shown}{more}"
 
 
-def _write_parquet(path: Path, frame: pd.DataFrame, *, string_columns: tuple[str, ...], overwrite: bool, source: str) -> None:
+def _write_parquet(path: Path, frame: pd.DataFrame, *, string_columns: tuple[str, ...], overwrite: bool, source: str,
+                   digest: bool = False) -> tuple[str, int] | None:
     """Write ``frame`` as Parquet with an explicit schema: ``string_columns`` as ``string``, the rest
-    as pyarrow infers them from pandas (no index)."""
+    as pyarrow infers them from pandas (no index).
+
+    With ``digest`` the file is serialised in memory first and ``(sha256 hex, size in bytes)`` of
+    exactly the published bytes is returned (None otherwise)."""
     fields = []
     for name in frame.columns:
         if not isinstance(name, str):
@@ -115,7 +119,14 @@ def _write_parquet(path: Path, frame: pd.DataFrame, *, string_columns: tuple[str
         table = pa.Table.from_pandas(frame, schema=schema, preserve_index=False).replace_schema_metadata(None)
     except (pa.ArrowException, TypeError, ValueError) as exc:
         raise CacheError(f"{source}: cannot convert to Parquet with schema {schema}: {exc}") from exc
-    atomic_write(path, lambda fh: pq.write_table(table, fh), overwrite=overwrite)
+    if not digest:
+        atomic_write(path, lambda fh: pq.write_table(table, fh), overwrite=overwrite)
+        return None
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    data = sink.getvalue()
+    atomic_write(path, lambda fh: fh.write(data), overwrite=overwrite)
+    return hashlib.sha256(data).hexdigest(), int(data.size)
 
 
 def write_tileset(root, tileset: str, frame: pd.DataFrame, *, overwrite: bool = False) -> Path:
@@ -308,6 +319,13 @@ def write_view(root, view: str, frame: pd.DataFrame, *, tileset: str, confounder
     in the tileset's ``tiles.parquet``. ``design`` (``all``/``paired_2x2``/None) is recorded as a hint.
     The sidecar is written last, so a view is listed only when both files exist.
 
+    Replacement (``overwrite=True``) publishes the table and then the sidecar, each by an atomic
+    rename; the sidecar records the sha256 and byte size of the table it belongs to
+    (``table_sha256``/``table_bytes``), so a reader that meets the new table with the old sidecar
+    (between the two renames) detects the mismatch and re-reads (:meth:`Cache.read_view
+    <cachescore.cache.Cache.read_view>`, :meth:`Cache.view_fingerprint
+    <cachescore.cache.Cache.view_fingerprint>`): no reader ever uses a mixed pair.
+
     Raises :class:`ViewError` (missing columns, blank/unknown sample_id, naming rows),
     :class:`CacheNotFoundError` (tileset missing), ``FileExistsError`` (exists and not ``overwrite``).
     """
@@ -345,9 +363,12 @@ def write_view(root, view: str, frame: pd.DataFrame, *, tileset: str, confounder
     out["sample_id"] = ids
     if view_sidecar_path(root, view).exists() and not overwrite:
         raise FileExistsError(f"{view_sidecar_path(root, view)} already exists; pass overwrite=True to replace it")
-    _write_parquet(view_table_path(root, view), out, string_columns=("sample_id",), overwrite=True, source=source)
+    digest, size = _write_parquet(view_table_path(root, view), out, string_columns=("sample_id",), overwrite=True,
+                                  source=source, digest=True)
     sidecar = {"version": SIDECAR_VERSION, "tileset": tileset, "confounder_column": column}
     if design is not None:
         sidecar["design"] = design
+    sidecar["table_sha256"] = digest
+    sidecar["table_bytes"] = size
     atomic_write_json(view_sidecar_path(root, view), sidecar, overwrite=True)
     return view_table_path(root, view)

@@ -198,6 +198,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
                              _alpha_closed),
         "recall_sample": Key((int,), 1000, "Queries sampled to measure ANN recall against exact search.", _positive_int),
         "seed": Key((int,), 0, "Seed of the ANN graph and of the recall sample.", _non_negative_int),
+        "large_scope_rows": Key((int,), 100_000, "Scopes of at least this many rows are searched out of core by "
+                                "distributed tasks over row chunks (worker memory bounded by chunk size); smaller "
+                                "scopes are searched inside their work unit.", _positive_int),
     },
     "execution": {
         "scheduler": Key((str,), "", "Dask scheduler address (tcp://host:port); empty = a LocalCluster. "

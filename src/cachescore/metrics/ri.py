@@ -167,9 +167,13 @@ class _Evaluation:
             return 0.5
         log_so = np.longdouble(-np.inf)
         log_os = np.longdouble(-np.inf)
-        for scope in self.scopes:
-            table = self.table(scope)
-            l_so, l_os = scope_log_totals(table, valid_counts(table, kmax), k, tau)
+        for scope, scores in zip(self.scopes, per_scope):
+            stored = scores[k]
+            if stored.log_so is not None:  # score_scope already reduced this scope (same order)
+                l_so, l_os = stored.log_so, stored.log_os
+            else:
+                table = self.table(scope)
+                l_so, l_os = scope_log_totals(table, valid_counts(table, kmax), k, tau)
             log_so = np.logaddexp(log_so, l_so)
             log_os = np.logaddexp(log_os, l_os)
         return float(ratio_from_log(log_so, log_os))

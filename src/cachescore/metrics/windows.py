@@ -107,17 +107,24 @@ class ScopeTable:
 
 
 def build_table(search, u: np.ndarray, scope: Scope, kmax: int) -> ScopeTable:
-    """Search ``scope`` once at window ``min(kmax, n - 1)`` with the backend ``search``.
+    """Search ``scope`` once at window ``min(kmax, longest cross-group list)`` with ``search``.
 
-    ``search`` has the contract of :func:`cachescore.neighbors.exact.cross_group_knn`.
-    Raises ``RuntimeError`` for a scope of fewer than 2 rows (spec §3.1).
+    The longest cross-group list has ``n - (smallest group size) <= n - 1`` entries, so no row can
+    ever have more usable neighbours than that: a wider table would only hold padding. The width
+    is therefore bounded by the scope, whatever ``kmax`` (``k = 10**6`` on a 2,000-row scope costs
+    what ``k = n - 1`` costs), and :func:`valid_counts` is unchanged (``valid_i <= |X_i|``; the cap
+    rule only ever shortens a window). ``search`` has the contract of
+    :func:`cachescore.neighbors.exact.cross_group_knn`. Raises ``RuntimeError`` for a scope of
+    fewer than 2 rows (spec §3.1).
     """
     n = scope.n
     if n <= 1:
         raise RuntimeError(
             f"scope '{scope.subset}' has {n} row(s): need at least two samples to compute neighbours"
         )
-    width = max(1, min(int(kmax), n - 1))
+    sizes = np.bincount(scope.groups)
+    longest = n - int(sizes[sizes > 0].min())
+    width = max(1, min(int(kmax), longest))
     idx, dist = search(u, scope.groups, width)
     idx = np.asarray(idx, dtype=np.int64)
     dist = np.asarray(dist, dtype=np.float64)
@@ -125,7 +132,6 @@ def build_table(search, u: np.ndarray, scope: Scope, kmax: int) -> ScopeTable:
         raise ValueError(
             f"neighbour backend returned shapes {idx.shape}/{dist.shape}, expected ({n}, {width})"
         )
-    sizes = np.bincount(scope.groups)
     cross = n - sizes[scope.groups]
     return ScopeTable(scope=scope, u=u, idx=idx, dist=dist, cross_count=cross.astype(np.int64))
 
@@ -279,25 +285,52 @@ def score_scope(table: ScopeTable, valid: np.ndarray, ks: list[int], tau: float 
 
 
 def _unit_log_evidence(table: ScopeTable, valid: np.ndarray, k: int, tau: float | None, rows: np.ndarray):
-    """Per-unit ``(L_SO, L_OS)`` at window ``k`` for ``rows`` (longdouble)."""
+    """Per-unit ``(L_SO, L_OS)`` at window ``k`` for ``rows`` (longdouble, each of shape ``rows.shape``).
+
+    Works in row blocks of :func:`row_block` ``(width)`` rows, so the longdouble work arrays stay
+    bounded whatever ``len(rows)``; each row's value does not depend on the blocking.
+    """
     scope = table.scope
-    types = type_matrix(scope.labels, scope.confounders, table.idx[rows], valid[rows], rows)
-    eff = np.minimum(valid[rows], int(k))
-    dist = table.dist[rows]
-    if tau is None:
-        dist = np.zeros_like(dist)
-        tau = 1.0
-    cum_so = _log_cumulative(dist, types, tau, SO)
-    cum_os = _log_cumulative(dist, types, tau, OS)
+    rows = np.asarray(rows, dtype=np.int64)
     ninf = np.longdouble(-np.inf)
-    return _gather(cum_so, eff, ninf), _gather(cum_os, eff, ninf)
+    l_so = np.full(rows.shape[0], ninf, dtype=np.longdouble)
+    l_os = np.full(rows.shape[0], ninf, dtype=np.longdouble)
+    flat = tau is None  # RI: unit weights (log 1 = 0)
+    tau = 1.0 if flat else tau
+    step = row_block(table.width)
+    for b0 in range(0, rows.shape[0], step):
+        sel = rows[b0 : b0 + step]
+        types = type_matrix(scope.labels, scope.confounders, table.idx[sel], valid[sel], sel)
+        eff = np.minimum(valid[sel], int(k))
+        dist = np.zeros(types.shape) if flat else table.dist[sel]
+        l_so[b0 : b0 + sel.shape[0]] = _gather(_log_cumulative(dist, types, tau, SO), eff, ninf)
+        l_os[b0 : b0 + sel.shape[0]] = _gather(_log_cumulative(dist, types, tau, OS), eff, ninf)
+    return l_so, l_os
 
 
 def scope_log_totals(table: ScopeTable, valid: np.ndarray, k: int, tau: float | None):
-    """The scope's log-evidence totals at ``k``: ``logaddexp.reduce`` of per-unit ``L`` in unit order."""
-    rows = np.arange(table.n)
-    l_so, l_os = _unit_log_evidence(table, valid, k, tau, rows)
-    return np.logaddexp.reduce(l_so), np.logaddexp.reduce(l_os)
+    """The scope's log-evidence totals at ``k``: ``logaddexp.reduce`` of per-unit ``L`` in unit order.
+
+    Returns ``(log_so, log_os)`` as longdouble scalars. The per-unit values are computed in row
+    blocks and folded block after block with the previous total as the reduction's initial value:
+    the same left-to-right sequence of ``logaddexp`` operations as one reduction over all units
+    (bit-identical), without (n, W) longdouble arrays. Callers holding a :class:`ScopeScores` whose
+    ``log_so``/``log_os`` are set should use those instead (they are these totals).
+    """
+    n = table.n
+    tot_so = tot_os = None
+    step = row_block(table.width)
+    for r0 in range(0, n, step):
+        l_so, l_os = _unit_log_evidence(table, valid, k, tau, np.arange(r0, min(n, r0 + step)))
+        if tot_so is None:
+            tot_so, tot_os = np.logaddexp.reduce(l_so), np.logaddexp.reduce(l_os)
+        else:
+            tot_so = np.logaddexp.reduce(l_so, initial=tot_so)
+            tot_os = np.logaddexp.reduce(l_os, initial=tot_os)
+    if tot_so is None:
+        ninf = np.longdouble(-np.inf)
+        return ninf, ninf
+    return tot_so, tot_os
 
 
 def typed_distances(table: ScopeTable, valid: np.ndarray, k: int) -> np.ndarray:

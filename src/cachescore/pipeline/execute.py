@@ -107,6 +107,7 @@ def execute_plan(plan: Plan, client, *, store=None, retries: int = 2, out: TextI
     from distributed import as_completed
 
     from ..store import ResultsStore
+    from .large_scope import remove_scratch
     from .unit import run_probe_task
 
     store = ResultsStore(plan.job.store) if store is None else store
@@ -145,6 +146,7 @@ def execute_plan(plan: Plan, client, *, store=None, retries: int = 2, out: TextI
             failures.append({"label": unit.label, "fingerprint": unit.fingerprint, "error": res["error"]})
         bar.update(unit.label, res["status"] if res["status"] == "done" else "FAILED", res.get("seconds"))
         fut.release()
+    remove_scratch(pending)  # large-scope partitions and tables: every unit of this run has ended
     return succeeded, failures
 
 

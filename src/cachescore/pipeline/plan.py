@@ -34,7 +34,7 @@ from ..jobs.schema import Job
 __all__ = ["WorkUnit", "InvalidUnit", "Plan", "plan_job", "code_version", "resolve_backend", "unit_fingerprint"]
 
 #: Source folders/files (relative to the package) whose content is part of the code version.
-_SCORING_SOURCES = ("metrics", "neighbors", "pipeline/unit.py", "_finite.py", "types.py")
+_SCORING_SOURCES = ("metrics", "neighbors", "pipeline/unit.py", "pipeline/large_scope.py", "_finite.py", "types.py")
 
 
 #: Environment variable that pins the code version (see :func:`code_version`).
@@ -249,12 +249,13 @@ def plan_job(job: Job, *, cache=None, store=None) -> Plan:
     nb = job.neighbors
 
     inputs: dict[str, str] = {}
+    fps = _InputFingerprints(cache)
     emb_info: dict[tuple[str, str], tuple[str | None, int | None, str | None]] = {}
 
     def embedding(enc: str, tileset: str):
         if (enc, tileset) not in emb_info:
             try:
-                fp = cache.embedding_fingerprint(enc, tileset)
+                fp = fps.embedding(enc, tileset)
                 dim = int(cache.embeddings(enc, tileset).shape[1])
                 emb_info[(enc, tileset)] = (fp, dim, None)
                 inputs[f"embeddings/{enc}/{tileset}"] = fp
@@ -269,7 +270,7 @@ def plan_job(job: Job, *, cache=None, store=None) -> Plan:
         view_err = None
         try:
             spec = cache.view_spec(view)
-            view_fp = cache.view_fingerprint(view)
+            view_fp = fps.view(view)
             frame = cache.read_view(view)
             inputs[f"views/{view}"] = view_fp
             design = _design_for(job, getattr(spec, "design", None))
@@ -296,6 +297,9 @@ def plan_job(job: Job, *, cache=None, store=None) -> Plan:
                 if backend == "ann":
                     params.update(recall_target=float(nb["recall_target"]), recall_sample=int(nb["recall_sample"]),
                                   seed=int(nb["seed"]))
+                if scope_rows >= int(nb["large_scope_rows"]):
+                    # searched out of core by distributed tasks (pipeline/large_scope.py)
+                    params.update(engine="distributed", seed=int(nb["seed"]))
                 unit_inputs = {"embeddings": emb_fp, "view": view_fp}
                 fp = unit_fingerprint(encoder=enc, view=view, design=design, metric=metric,
                                       confounder_column=confounder, params=params, inputs=unit_inputs, code=code)
@@ -304,18 +308,46 @@ def plan_job(job: Job, *, cache=None, store=None) -> Plan:
                                 store_root=str(job.store), inputs=unit_inputs, code_version=code, fingerprint=fp)
                 (done if store.has(fp) else pending).append(unit)
     if job.probe is not None:
-        _plan_probe_units(job, cache, store, encoders, views, code, pending, done, invalid)
+        _plan_probe_units(job, cache, store, encoders, views, code, pending, done, invalid, fps)
     return Plan(job=job, pending=tuple(pending), done=tuple(done), invalid=tuple(invalid), inputs=inputs)
 
 
-def _plan_probe_units(job, cache, store, encoders, views, code, pending, done, invalid) -> None:
+class _InputFingerprints:
+    """Per-plan memo of the input fingerprints: each view's Parquet, each tileset's
+    ``tiles.parquet`` and each embedding ``meta.json`` is hashed/read once per plan, however many
+    encoders, metric families and probe units use it. Only successes are memoised (a failing input
+    raises again, with its own error, wherever it is used)."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        self._views: dict[str, str] = {}
+        self._emb: dict[tuple[str, str], str] = {}
+        self._tiles: dict[str, str] = {}  # tiles.parquet path -> sha256, shared by the views
+
+    def view(self, view: str) -> str:
+        if view not in self._views:
+            self._views[view] = self.cache.view_fingerprint(view, tiles_digests=self._tiles)
+        return self._views[view]
+
+    def embedding(self, encoder: str, tileset: str) -> str:
+        key = (encoder, tileset)
+        if key not in self._emb:
+            self._emb[key] = self.cache.embedding_fingerprint(encoder, tileset)
+        return self._emb[key]
+
+
+def _plan_probe_units(job, cache, store, encoders, views, code, pending, done, invalid, fps=None) -> None:
     """Probe-sweep units (one per encoder × probe view; ``metric = design = "probe"``).
 
     Their fingerprint is :func:`~.probe_unit.probe_unit_fingerprint` (its own code version over
     ``probe/``, unless ``CACHESCORE_CODE_VERSION`` pins it); a unit is done when the store holds
-    every one of its (matrix, reduction) records (:func:`~.probe_unit.probe_unit_done`).
+    every one of its (matrix, reduction) records (:func:`~.probe_unit.probe_unit_done`). The
+    input fingerprints come from ``fps`` (the plan's :class:`_InputFingerprints`), so a view is
+    hashed once per plan, not once per encoder.
     """
     from .probe_unit import probe_code_version, probe_unit_done, probe_unit_fingerprint
+
+    fps = _InputFingerprints(cache) if fps is None else fps
 
     probe_code = os.environ.get(CODE_VERSION_ENV, "").strip() or probe_code_version()
     params = job.probe.to_dict()
@@ -327,9 +359,8 @@ def _plan_probe_units(job, cache, store, encoders, views, code, pending, done, i
         for enc in encoders:
             try:
                 spec = cache.view_spec(view)
-                fp = probe_unit_fingerprint(cache, enc, view, job.probe, code_version=probe_code)
-                inputs = {"embeddings": cache.embedding_fingerprint(enc, spec.tileset),
-                          "view": cache.view_fingerprint(view)}
+                inputs = {"embeddings": fps.embedding(enc, spec.tileset), "view": fps.view(view)}
+                fp = probe_unit_fingerprint(cache, enc, view, job.probe, code_version=probe_code, inputs=inputs)
             except (ValueError, OSError, KeyError) as exc:
                 err = f"{type(exc).__name__}: {exc}"
                 ident = {"encoder": enc, "view": view, "tileset": "?", "design": "probe", "family": "probe",

@@ -673,32 +673,41 @@ def _cache(cache):
     return cache if isinstance(cache, Cache) else Cache(cache)
 
 
-def _unit_identity(cache, encoder: str, view: str, params: ProbeParams, code_version: str | None) -> dict:
+def _unit_identity(cache, encoder: str, view: str, params: ProbeParams, code_version: str | None,
+                   inputs: Mapping | None = None) -> dict:
     spec = cache.view_spec(view)
+    if inputs is None:
+        inputs = {"embeddings": cache.embedding_fingerprint(encoder, spec.tileset),
+                  "view": cache.view_fingerprint(view)}
+    else:
+        inputs = {"embeddings": str(inputs["embeddings"]), "view": str(inputs["view"])}
     return {
         "kind": "cachescore.probe-unit/1",
         "encoder": encoder,
         "view": view,
         "tileset": spec.tileset,
         "params": params.to_dict(),
-        "inputs": {"embeddings": cache.embedding_fingerprint(encoder, spec.tileset),
-                   "view": cache.view_fingerprint(view)},
+        "inputs": inputs,
         "code": probe_code_version() if code_version is None else str(code_version),
     }
 
 
 def probe_unit_fingerprint(cache, encoder: str, view: str, params: ProbeParams | Mapping,
-                           code_version: str | None = None) -> str:
+                           code_version: str | None = None, *, inputs: Mapping | None = None) -> str:
     """sha256 hex of the unit's canonical identity: encoder, view, tileset, normalised params,
     input fingerprints (``Cache.embedding_fingerprint`` of (encoder, the view's tileset),
     ``Cache.view_fingerprint``) and the code version (default :func:`probe_code_version`).
 
-    ``cache`` is a :class:`~cachescore.cache.Cache` or its folder. Reads only metadata.
-    Raises what the cache raises for a missing encoder / view (``CacheError`` subclasses).
+    ``cache`` is a :class:`~cachescore.cache.Cache` or its folder. ``inputs``: the input
+    fingerprints ``{"embeddings": ..., "view": ...}`` when the caller already has them (a plan
+    computes each once); they must be exactly those two ``Cache`` values, and then only the view
+    sidecar is read. Without ``inputs`` the view's Parquet and ``tiles.parquet`` are hashed here.
+    Raises what the cache raises for a missing encoder / view (``CacheError`` subclasses),
+    ``KeyError`` when ``inputs`` lacks a key.
     """
     from ..store import fingerprint
 
-    return fingerprint(_unit_identity(_cache(cache), encoder, view, ProbeParams.coerce(params), code_version))
+    return fingerprint(_unit_identity(_cache(cache), encoder, view, ProbeParams.coerce(params), code_version, inputs))
 
 
 def probe_record_fingerprint(unit_fingerprint: str, matrix: str, metric: str) -> str:

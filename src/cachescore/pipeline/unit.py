@@ -8,7 +8,11 @@
   and writes the unit's APD/nIPD records; metric units keep running meanwhile.
 * :func:`run_unit` is the Dask task of a metric unit. It receives only a :class:`~.plan.WorkUnit` (paths and
   parameters, no arrays), reads the embeddings **on the worker**, pins BLAS to one thread, calls
-  the unit function and writes the result atomically to the store.
+  the unit function and writes the result atomically to the store. A unit planned with
+  ``params["engine"] == "distributed"`` (a scope of at least ``[neighbors] large_scope_rows``
+  rows) instead secedes (``worker_client``) and runs :func:`score_large_unit`: its neighbour
+  searches fan out over the cluster as tasks that read row chunks from the cache
+  (:mod:`~.large_scope`), so no worker holds the scope's ``n × d`` matrix.
 
 Failure policy: an exception of a *data* kind (:data:`DATA_ERRORS`: invalid/corrupt/missing
 input, a metric refusing the data) is recorded in the store as the unit's failure and the task
@@ -19,15 +23,17 @@ worker) propagates, and Dask retries the task; the client records it as failed i
 from __future__ import annotations
 
 import os
+import threading
 import time
 import traceback
 import warnings
+from contextlib import contextmanager
 from datetime import datetime, timezone
 
 import numpy as np
 import pandas as pd
 
-__all__ = ["DATA_ERRORS", "score_unit", "run_unit", "run_probe_task", "load_unit_inputs", "result_record"]
+__all__ = ["DATA_ERRORS", "score_unit", "score_large_unit", "run_unit", "run_probe_task", "load_unit_inputs", "result_record"]
 
 #: Exceptions that mean "this unit's data cannot be scored" (recorded, never retried). The cache's
 #: errors subclass ValueError / FileNotFoundError; the metric API raises ValueError/RuntimeError.
@@ -42,32 +48,46 @@ def _nan(x) -> float:
 
 
 class _RecordingAnnSearch:
-    """An ANN neighbour backend for ``compute_with`` that keeps the recall it measured.
+    """An in-memory ANN neighbour backend for ``compute_with`` that keeps the recall it measured.
 
-    Wraps the ANN backend's ``*_with_recall`` searches (IVF-style candidate clusters, or
-    pynndescent graphs with ``method="graph"``, refined with exact distances; recall measured
-    against exact search on ``recall_sample`` seeded queries per call). The metric
-    may call it once per scope (and more than once per scope); :attr:`recall` is the worst
-    measured recall over all calls (NaN if it was never called).
+    :meth:`cross` / :meth:`typed` wrap the ANN backend's ``*_with_recall`` searches (IVF-style
+    candidate clusters, or pynndescent graphs with ``method="graph"``, refined with exact
+    distances; recall measured against exact search on ``recall_sample`` seeded queries per call).
+    The metric may call them once per scope (and more than once per scope); :attr:`recall` is the
+    worst measured recall over all calls (NaN if never called). Same interface as
+    :class:`~.large_scope.LargeScopeSearch`.
     """
 
-    def __init__(self, kind: str, params: dict):
-        self.kind, self.params, self.recalls = kind, params, []
+    def __init__(self, params: dict):
+        self.params, self.recalls = params, []
 
-    def __call__(self, *args, **kwargs):
-        from ..neighbors import ann
-
-        fn = ann.typed_knn_ann_with_recall if self.kind == "typed" else ann.cross_group_knn_ann_with_recall
+    def _options(self, kwargs) -> dict:
         kwargs.setdefault("random_state", int(self.params["seed"]))
         kwargs.setdefault("recall_target", float(self.params["recall_target"]))
         kwargs.setdefault("n_recall_queries", int(self.params["recall_sample"]))
-        r = fn(*args, **kwargs)
+        return kwargs
+
+    def cross(self, *args, **kwargs):
+        from ..neighbors import ann
+
+        r = ann.cross_group_knn_ann_with_recall(*args, **self._options(kwargs))
         self.recalls.append(float(r.recall))
-        return (r.so_dist, r.os_dist) if self.kind == "typed" else (r.idx, r.dist)
+        return r.idx, r.dist
+
+    def typed(self, *args, **kwargs):
+        from ..neighbors import ann
+
+        r = ann.typed_knn_ann_with_recall(*args, **self._options(kwargs))
+        self.recalls.append(float(r.recall))
+        return r.so_dist, r.os_dist
 
     @property
     def recall(self) -> float:
         return min(self.recalls) if self.recalls else float("nan")
+
+    @property
+    def details(self) -> list:
+        return []
 
 
 def result_record(unit, result, *, recall: float = float("nan")) -> tuple[dict, pd.DataFrame]:
@@ -125,7 +145,7 @@ def result_record(unit, result, *, recall: float = float("nan")) -> tuple[dict, 
     return record, per_unit
 
 
-def score_unit(unit, features: np.ndarray, manifest: pd.DataFrame) -> tuple[dict, pd.DataFrame]:
+def score_unit(unit, features: np.ndarray, manifest: pd.DataFrame, *, searcher=None) -> tuple[dict, pd.DataFrame]:
     """Score one work unit with the metric API.
 
     Parameters
@@ -133,14 +153,20 @@ def score_unit(unit, features: np.ndarray, manifest: pd.DataFrame) -> tuple[dict
     unit : WorkUnit
         Metric family, design, confounder column and parameters (see :class:`~.plan.WorkUnit`).
     features : ndarray of shape (n_rows, d), float
-        Embeddings in view order (row ``i`` belongs to ``manifest`` row ``i``).
+        Embeddings in view order (row ``i`` belongs to ``manifest`` row ``i``). With a
+        ``searcher`` that reads the rows itself (large scopes), an ``(n_rows, 0)`` array.
     manifest : DataFrame
         The view (croma's columns: ``sample_id``, ``image_path``, ``label``, ``group_id``, the
         confounder column, ``subset`` if present).
+    searcher : object, optional
+        Neighbour backend with ``cross(u, groups, kmax)``, ``typed(u, labels, confounders, groups,
+        m)``, ``recall`` and ``details`` (:class:`~.large_scope.LargeScopeSearch`). Default: the
+        in-memory ANN backend when ``params["backend"] == "ann"``, else the exact engines.
 
     Returns
     -------
-    (record, per_unit) as described in :func:`result_record`.
+    (record, per_unit) as described in :func:`result_record`; with a searcher the record also
+    holds ``neighbour_search`` (its per-call details, stored in the ``extra`` column).
 
     Raises
     ------
@@ -148,33 +174,75 @@ def score_unit(unit, features: np.ndarray, manifest: pd.DataFrame) -> tuple[dict
         Whatever the metric API raises for invalid data (incomplete subset, one row, …).
     """
     p = unit.params
-    ann = p.get("backend") == "ann"
-    search = _RecordingAnnSearch("typed" if unit.metric == "croma" else "cross", p) if ann else None
+    if searcher is None and p.get("backend") == "ann":
+        searcher = _RecordingAnnSearch(p)
     common = dict(confounder_column=unit.confounder_column, evaluation_design=unit.design)
     if unit.metric == "ri":
         from ..metrics.ri import RI
 
         kw = dict(common, k_candidates=list(p["k_candidates"]))
-        result = RI.compute_with(search, features, manifest, **kw) if ann else RI.compute(features, manifest, **kw)
+        result = RI.compute_with(searcher.cross, features, manifest, **kw) if searcher else RI.compute(features, manifest, **kw)
     elif unit.metric == "mari":
         from ..metrics.mari import MaRI
 
         tau = None if p["tau"] == "auto" else float(p["tau"])
         kw = dict(common, k_candidates=list(p["k_candidates"]), tau=tau, warn_tau=bool(p["warn_tau"]))
-        result = (MaRI.compute_with(search, features, manifest, **kw) if ann
+        result = (MaRI.compute_with(searcher.cross, features, manifest, **kw) if searcher
                   else MaRI.compute(features, manifest, **kw))
     elif unit.metric == "croma":
         from ..metrics.croma import CRoMa
 
         kw = dict(common, m=int(p["m"]), alpha=float(p["alpha"]), start_k=int(p["start_k"]),
                   k_growth_factor=float(p["k_growth_factor"]))
-        # On ANN scopes croma's schedule diagnostics would need an exact O(n^2 d) counting pass
-        # that cancels the ANN gain: they are reported as -1 ("not computed", ADR-0002).
-        result = (CRoMa.compute_with(search, features, manifest, schedule_diagnostics=False, **kw) if ann
+        # On ANN / large scopes croma's schedule diagnostics would need an exact O(n^2 d) counting
+        # pass that cancels the gain: they are reported as -1 ("not computed", ADR-0002).
+        result = (CRoMa.compute_with(searcher.typed, features, manifest, schedule_diagnostics=False, **kw) if searcher
                   else CRoMa.compute(features, manifest, **kw))
     else:
         raise ValueError(f"unknown metric family {unit.metric!r} (known: ri, mari, croma)")
-    return result_record(unit, result, recall=search.recall if ann else float("nan"))
+    measured = searcher is not None and p.get("backend") == "ann"  # exact searches have no recall to measure
+    record, per_unit = result_record(unit, result, recall=searcher.recall if measured else float("nan"))
+    if searcher is not None and searcher.details:
+        record["neighbour_search"] = searcher.details
+    return record, per_unit
+
+
+def score_large_unit(unit, client) -> tuple[dict, pd.DataFrame]:
+    """Score a unit whose scopes are searched out of core (``params["engine"] == "distributed"``).
+
+    Runs on a worker inside ``distributed.worker_client()`` (``client``): validates the embeddings
+    (streamed shard by shard), reads the view, describes each scope's rows
+    (:class:`~.large_scope.ScopeRows`) and scores with a :class:`~.large_scope.LargeScopeSearch`
+    whose tasks read the embeddings from the cache; this task never holds the ``n × d`` matrix.
+    Same return value and errors as :func:`score_unit`.
+    """
+    from ..cache import Cache
+    from ..metrics._manifest import prepare
+    from ..neighbors.normalize import compute_dtype
+    from .large_scope import LargeScopeSearch, ScopeRows, scratch_dir
+
+    p = unit.params
+    cache = Cache(unit.cache_root)
+    meta = cache.validate_embeddings(unit.encoder, unit.tileset)
+    manifest = cache.read_view(unit.view)
+    tile_rows = manifest["row"].to_numpy(dtype=np.int64)
+    prepared = prepare(manifest, confounder_column=unit.confounder_column, evaluation_design=unit.design,
+                       validate_subsets=False)
+    label = f"{unit.encoder}/{unit.view}"
+    scopes = {
+        f"scope-{i:03d}": ScopeRows(cache_root=unit.cache_root, encoder=unit.encoder, tileset=unit.tileset,
+                                    tile_rows=tile_rows[sc.rows], groups=sc.groups, labels=sc.labels,
+                                    confounders=sc.confounders, source=f"{label} scope {sc.subset!r}")
+        for i, sc in enumerate(prepared.scopes) if sc.n >= 2
+    }
+    ann = p.get("backend") == "ann"
+    searcher = LargeScopeSearch(
+        client, scopes, scratch_dir(unit), exact=not ann,
+        recall_target=float(p.get("recall_target", 1.0)), n_recall_queries=int(p.get("recall_sample", 1000)),
+        random_state=int(p.get("seed", 0)),
+    )
+    features = np.zeros((len(manifest), 0), dtype=compute_dtype(meta.dtype))
+    return score_unit(unit, features, manifest, searcher=searcher)
 
 
 def load_unit_inputs(unit) -> tuple[np.ndarray, pd.DataFrame]:
@@ -192,6 +260,56 @@ def load_unit_inputs(unit) -> tuple[np.ndarray, pd.DataFrame]:
     rows = manifest["row"].to_numpy(dtype=np.int64)
     features = cache.load_rows(unit.encoder, unit.tileset, rows)
     return features, manifest
+
+
+_WARN_LOCK = threading.Lock()
+_WARN_LOCAL = threading.local()
+_WARN_STATE: dict = {"depth": 0, "guard": None, "show": None}
+
+
+def _show_on_thread(message, category, filename, lineno, file=None, line=None):
+    sink = getattr(_WARN_LOCAL, "sink", None)
+    if sink is None:  # a thread that is not capturing: what was installed before
+        _WARN_STATE["show"](message, category, filename, lineno, file, line)
+    else:
+        sink.append(warnings.WarningMessage(message, category, filename, lineno, file, line))
+
+
+@contextmanager
+def captured_warnings():
+    """Record every warning raised **on this thread** into the yielded list (``WarningMessage``).
+
+    ``warnings.catch_warnings`` swaps process-wide state, which breaks when tasks share a worker
+    process: large-scope units secede (``worker_client``) and then run concurrently on threads of
+    one process, so one unit's exit would restore the filters (e.g. ``error``) while another still
+    computes, and warnings would land in the wrong record. Here the first capturing thread installs
+    an ``always`` filter and a dispatcher that appends to the raising thread's own list; the last
+    one to leave restores the previous state. Threads that are not capturing keep the previous
+    ``showwarning``.
+    """
+    sink: list = []
+    with _WARN_LOCK:
+        if _WARN_STATE["depth"] == 0:
+            guard = warnings.catch_warnings()
+            guard.__enter__()
+            warnings.simplefilter("always")
+            _WARN_STATE.update(guard=guard, show=warnings.showwarning)
+            warnings.showwarning = _show_on_thread
+        _WARN_STATE["depth"] += 1
+    previous = getattr(_WARN_LOCAL, "sink", None)
+    _WARN_LOCAL.sink = sink
+    try:
+        yield sink
+    finally:
+        _WARN_LOCAL.sink = previous
+        if previous is not None:
+            previous.extend(sink)
+        with _WARN_LOCK:
+            _WARN_STATE["depth"] -= 1
+            if _WARN_STATE["depth"] == 0:
+                guard = _WARN_STATE["guard"]
+                _WARN_STATE.update(guard=None, show=None)
+                guard.__exit__(None, None, None)
 
 
 def _pin_threads():
@@ -214,16 +332,23 @@ def run_unit(unit, unit_fn=None, load_fn=None, run_id: str | None = None) -> dic
     """
     from ..store import ResultsStore
 
+    default_fns = unit_fn is None and load_fn is None
     unit_fn = score_unit if unit_fn is None else unit_fn
     load_fn = load_unit_inputs if load_fn is None else load_fn
     store = ResultsStore(unit.store_root)
     t0 = time.perf_counter()
-    with _pin_threads(), warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with _pin_threads(), captured_warnings() as caught:
         try:
-            features, manifest = load_fn(unit)
-            t1 = time.perf_counter()
-            record, per_unit = unit_fn(unit, features, manifest)
+            if unit.params.get("engine") == "distributed" and default_fns:
+                from distributed import worker_client
+
+                t1 = t0  # the search tasks read the embeddings themselves
+                with worker_client() as client:
+                    record, per_unit = score_large_unit(unit, client)
+            else:
+                features, manifest = load_fn(unit)
+                t1 = time.perf_counter()
+                record, per_unit = unit_fn(unit, features, manifest)
         except DATA_ERRORS as exc:
             return _record_data_failure(store, unit, exc, run_id=run_id, started=t0)
     t2 = time.perf_counter()

@@ -93,7 +93,7 @@ class LeakageError(ValueError):
 class _Level:
     name: str
     codes: np.ndarray  # int64 (n_total,), codes over the in-domain rows then each test set
-    uniques: list  # JSON-safe id per code
+    uniques: Sequence  # JSON-safe id per code (a _Uniques: formatted on access)
     n_groups: int
 
 
@@ -128,21 +128,80 @@ def _check_ids(values, n: int, *, level: str, where: str) -> np.ndarray:
     return arr
 
 
-def _factorize_key(parts: Sequence[np.ndarray]) -> tuple[np.ndarray, list]:
-    """Codes and JSON-safe uniques for a (possibly composite) key over concatenated rows."""
+class _Uniques(Sequence):
+    """The JSON-safe id of each code of a level, formatted on access.
+
+    Reports only ever show a few ids (:data:`MAX_EXAMPLE_IDS` per breach), so ids are not
+    materialised as Python objects for all codes up front (a 1M-row composite key would cost
+    seconds): ``uniques[c]`` is ``_py(value)`` for a single key, ``[_py(v0), _py(v1), ...]`` for
+    a composite key, exactly what an eagerly built list would hold.
+
+    ``components``: one array of distinct values per key part; ``rows``: (n_codes, n_parts) int64
+    indices into them (code ``c`` is the tuple ``components[j][rows[c, j]]``), or None for a
+    single key (code ``c`` is ``components[0][c]``).
+    """
+
+    def __init__(self, components: list, rows: np.ndarray | None):
+        self._components = components
+        self._rows = rows
+
+    def __len__(self) -> int:
+        return int(self._rows.shape[0]) if self._rows is not None else len(self._components[0])
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = int(i)
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"code {i} out of range ({len(self)} ids)")
+        if self._rows is None:
+            return _py(self._components[0][i])
+        return [_py(comp[r]) for comp, r in zip(self._components, self._rows[i].tolist())]
+
+
+def _combined_codes(comp_codes: list[np.ndarray], sizes: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(np.stack(comp_codes, 1), axis=0, return_inverse=True)``, same order and codes.
+
+    Lexicographic row order equals the order of the mixed-radix integer ``c0*n1*n2... + c1*n2...
+    + ...`` (each ``c_j < n_j``), so when that integer fits in int64 one 1-D ``np.unique`` replaces
+    the (slower) row-wise one; otherwise the row-wise one is used.
+    """
+    total = 1
+    for n in sizes:
+        total *= max(1, int(n))
+    if total >= 2**62:
+        uniq_rows, inv = np.unique(np.stack(comp_codes, axis=1), axis=0, return_inverse=True)
+        return uniq_rows.astype(np.int64), inv.reshape(-1).astype(np.int64)
+    key = np.zeros(comp_codes[0].shape[0], dtype=np.int64)
+    for c, n in zip(comp_codes, sizes):
+        key = key * max(1, int(n)) + c
+    uniq, inv = np.unique(key, return_inverse=True)
+    uniq_rows = np.empty((uniq.shape[0], len(sizes)), dtype=np.int64)
+    rest = uniq
+    for j in range(len(sizes) - 1, -1, -1):
+        rest, uniq_rows[:, j] = np.divmod(rest, max(1, int(sizes[j])))
+    return uniq_rows, inv.reshape(-1).astype(np.int64)
+
+
+def _factorize_key(parts: Sequence[np.ndarray]) -> tuple[np.ndarray, _Uniques]:
+    """Codes and (lazily formatted) JSON-safe uniques for a possibly composite key over rows.
+
+    Single key: codes in order of first appearance. Composite key: codes in lexicographic order
+    of the per-part first-appearance codes. No Python loop over rows or ids.
+    """
     if len(parts) == 1:
         codes, uniques = pd.factorize(pd.Series(parts[0], copy=False), sort=False)
-        return codes.astype(np.int64), [_py(u) for u in uniques]
+        return codes.astype(np.int64), _Uniques([np.asarray(uniques, dtype=object)], None)
     comp_codes = []
     comp_uniques = []
     for p in parts:
         c, u = pd.factorize(pd.Series(p, copy=False), sort=False)
         comp_codes.append(c.astype(np.int64))
-        comp_uniques.append(list(u))
-    stacked = np.stack(comp_codes, axis=1)
-    uniq_rows, inv = np.unique(stacked, axis=0, return_inverse=True)
-    uniques = [[_py(comp_uniques[j][r[j]]) for j in range(len(parts))] for r in uniq_rows]
-    return inv.reshape(-1).astype(np.int64), uniques
+        comp_uniques.append(np.asarray(u, dtype=object))
+    uniq_rows, inv = _combined_codes(comp_codes, [len(u) for u in comp_uniques])
+    return inv, _Uniques(comp_uniques, uniq_rows)
 
 
 def _as_parts(key) -> list:

@@ -1,0 +1,173 @@
+"""Building blocks of the out-of-core IVF search (:mod:`cachescore.pipeline.large_scope`).
+
+Pure numpy, no Dask: every function takes the arrays it works on, so a worker task can call it on
+the rows it has read from disk and nothing here ever needs the whole scope in memory.
+
+* :func:`spherical_kmeans` / :func:`assign_clusters`: a k-means partition on the unit sphere
+  (centroids from a row sample; every row assigned by one GEMM against the centroids).
+* :func:`probe_order`, :func:`probe_stops`, :func:`probed_clusters`, :func:`probe_levels`:
+  cluster-level probing. From query cluster ``a`` the clusters are visited by decreasing centroid
+  similarity (``a`` first) until they hold a fraction ``f`` of the rows that matter (all rows for
+  the cross-group search, the rows of one target cell for the typed search). Probe sets grow
+  with ``f``; ``f >= 1`` probes every non-empty cluster, which makes the search exact.
+* :func:`topk_tiles`: the exact kernel run on probed rows: blocked GEMMs
+  (:func:`~cachescore.neighbors.normalize.cosine_distance_block`, the exact engines' arithmetic),
+  ineligible pairs set to ``+inf`` (same group; for typed neighbours also the wrong cell type),
+  merged into a running top-k by ``(distance, global index)``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .ann import _merge_tile
+from .normalize import cosine_distance_block
+
+__all__ = [
+    "KINDS",
+    "spherical_kmeans",
+    "assign_clusters",
+    "probe_order",
+    "probe_stops",
+    "probed_clusters",
+    "probe_levels",
+    "topk_tiles",
+]
+
+#: Neighbour kinds of :func:`topk_tiles`: cross-group (RI/MaRI), SO and OS (CRoMa, spec §7.10).
+KINDS = ("cross", "so", "os")
+
+#: Query rows × target rows of one distance tile in :func:`topk_tiles`.
+TILE_Q, TILE_T = 1024, 8192
+
+
+def spherical_kmeans(x: np.ndarray, n_clusters: int, *, random_state=None, iters: int = 8) -> np.ndarray:
+    """Centroids (C, d) float32 of unit-norm rows ``x`` (s, d): spherical k-means, ``iters`` rounds.
+
+    ``C = min(n_clusters, s)``; initial centroids are distinct rows drawn with ``random_state``;
+    an emptied cluster is reseeded with a random row. Same inputs ⇒ same centroids.
+    Raises ``ValueError`` when ``x`` has no rows or ``n_clusters < 1``.
+    """
+    x = np.asarray(x, dtype=np.float32)
+    s = x.shape[0]
+    if s == 0 or int(n_clusters) < 1:
+        raise ValueError(f"spherical_kmeans needs rows and n_clusters >= 1, got {s} rows, {n_clusters}")
+    c = min(int(n_clusters), s)
+    rng = np.random.default_rng(random_state)
+    cent = x[rng.choice(s, size=c, replace=False)].copy()
+    for _ in range(int(iters)):
+        lab = np.argmax(x @ cent.T, axis=1)
+        srt = np.argsort(lab, kind="stable")
+        cnt = np.bincount(lab, minlength=c)
+        new = np.zeros_like(cent)
+        nz = np.flatnonzero(cnt)
+        new[nz] = np.add.reduceat(x[srt], np.concatenate([[0], np.cumsum(cnt)[:-1]])[nz], axis=0)
+        norms = np.linalg.norm(new, axis=1)
+        empty = norms == 0
+        if empty.any():
+            new[empty] = x[rng.choice(s, size=int(empty.sum()), replace=False)]
+            norms[empty] = np.linalg.norm(new[empty], axis=1)
+        norms[norms == 0] = 1.0
+        cent = new / norms[:, None]
+    return np.ascontiguousarray(cent, dtype=np.float32)
+
+
+def assign_clusters(u: np.ndarray, centroids: np.ndarray, *, block: int = 65536) -> np.ndarray:
+    """Cluster code (n,) int32 of every row of ``u`` (n, d): the centroid of largest dot product."""
+    out = np.empty(u.shape[0], dtype=np.int32)
+    cent_t = np.ascontiguousarray(np.asarray(centroids, dtype=np.float32).T)
+    for s in range(0, u.shape[0], block):
+        out[s : s + block] = np.argmax(np.asarray(u[s : s + block], dtype=np.float32) @ cent_t, axis=1)
+    return out
+
+
+def probe_order(centroids: np.ndarray) -> np.ndarray:
+    """(C, C) int32: row ``a`` lists the clusters by decreasing centroid similarity to ``a``,
+    ``a`` itself first (ties by cluster code)."""
+    sims = centroids @ centroids.T
+    np.fill_diagonal(sims, np.inf)
+    return np.argsort(-sims, axis=1, kind="stable").astype(np.int32)
+
+
+def probe_stops(order: np.ndarray, sizes: np.ndarray, fractions) -> np.ndarray:
+    """(C, F) int64: how many leading clusters of ``order[a]`` are probed at each fraction.
+
+    ``sizes`` (C,) counts the rows that matter per cluster; at fraction ``f < 1`` the probe stops
+    at the first cluster where the running total reaches ``f · sizes.sum()`` (that cluster
+    included); at ``f >= 1`` every cluster is probed.
+    """
+    sizes = np.asarray(sizes, dtype=np.int64)
+    c = order.shape[0]
+    cum = np.cumsum(sizes[order], axis=1)  # (C, C)
+    total = int(sizes.sum())
+    out = np.empty((c, len(fractions)), dtype=np.int64)
+    for i, f in enumerate(fractions):
+        if f >= 1:
+            out[:, i] = c
+        else:
+            out[:, i] = np.minimum(c, (cum < f * total).sum(axis=1) + 1)
+    return out
+
+
+def probed_clusters(order: np.ndarray, sizes: np.ndarray, a: int, stop: int) -> np.ndarray:
+    """The non-empty clusters among the first ``stop`` of ``order[a]`` (see :func:`probe_stops`)."""
+    sel = order[a, :stop]
+    return sel[np.asarray(sizes)[sel] > 0]
+
+
+def probe_levels(order: np.ndarray, stops: np.ndarray) -> np.ndarray:
+    """(C, C) int8: for query cluster ``a`` and cluster ``b``, the index of the first fraction at
+    which ``b`` is probed from ``a`` (``F`` when never), given ``stops`` from :func:`probe_stops`."""
+    c, f = stops.shape
+    pos = np.empty_like(order)
+    pos[np.arange(c)[:, None], order] = np.arange(c, dtype=order.dtype)[None, :]
+    lev = np.full((c, c), f, dtype=np.int8)
+    for i in range(f - 1, -1, -1):
+        lev[pos < stops[:, i : i + 1]] = i
+    return lev
+
+
+def _ineligible(kind: str, q: tuple, t: tuple) -> np.ndarray:
+    """(bq, bt) bool: pairs that may not be neighbours of ``kind`` (``q``/``t``: (groups, labels,
+    confounders) of the query and target rows; labels/confounders unused for ``cross``)."""
+    bad = q[0][:, None] == t[0][None, :]
+    if kind == "cross":
+        return bad
+    same_l = q[1][:, None] == t[1][None, :]
+    same_c = q[2][:, None] == t[2][None, :]
+    if kind == "so":
+        return bad | ~same_l | same_c
+    if kind == "os":
+        return bad | same_l | ~same_c
+    raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+
+
+def topk_tiles(qv, q_meta, tv, t_ids, t_meta, k, out: dict, *, tq=TILE_Q, tt=TILE_T) -> None:
+    """Merge the exact top-``k`` neighbours of each kind of ``out`` over the targets, in place.
+
+    ``qv`` (b, d) and ``tv`` (r, d) normalised rows (one dtype); ``t_ids`` (r,) int64 global indices
+    (the tie order); ``q_meta`` / ``t_meta``: tuples ``(groups, labels, confounders)`` of int arrays
+    of shapes (b,) / (r,) (labels and confounders may be None for ``cross``). ``out`` maps a kind
+    of :data:`KINDS` to its running result ``(best_i (b, k) int64, best_d (b, k) float64)``
+    (``-1``/``+inf`` = empty), ordered by ``(distance, index)``. Each distance tile
+    ``clip(1 - q·t, 0, 2)`` (the rows' dtype) is computed once and serves every kind.
+    Raises ``ValueError`` for an unknown kind.
+    """
+    for kind in out:
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if qv.shape[0] == 0 or tv.shape[0] == 0:
+        return
+    for t0 in range(0, tv.shape[0], tt):
+        t1 = min(tv.shape[0], t0 + tt)
+        ut = tv[t0:t1]
+        tm = tuple(None if a is None else a[t0:t1] for a in t_meta)
+        ids = t_ids[t0:t1]
+        for s in range(0, qv.shape[0], tq):
+            e = min(qv.shape[0], s + tq)
+            dist = cosine_distance_block(qv[s:e], ut)
+            qm = tuple(None if a is None else a[s:e] for a in q_meta)
+            for j, (kind, (best_i, best_d)) in enumerate(out.items()):
+                d = dist if j == len(out) - 1 else dist.copy()
+                d[_ineligible(kind, qm, tm)] = np.inf
+                _merge_tile(best_i[s:e], best_d[s:e], d, ids, k)
