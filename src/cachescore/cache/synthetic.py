@@ -41,6 +41,17 @@ _LABELS = ("tumor", "normal")
 _CENTRES = ("A", "B", "C")
 
 
+def _paired_view(view_all: pd.DataFrame, centres) -> pd.DataFrame:
+    """``paired_2x2`` rows: one subset ``"a|b"`` per pair of centres, holding every row of both
+    (a row appears once per subset it belongs to)."""
+    parts = []
+    for a, b in combinations(centres, 2):
+        part = view_all[view_all["centre"].isin([a, b])].copy()
+        part["subset"] = f"{a}|{b}"
+        parts.append(part)
+    return pd.concat(parts, ignore_index=True)
+
+
 def make_demo_cache(
     root,
     *,
@@ -113,12 +124,7 @@ def make_demo_cache(
     view_all = tiles[["sample_id", "label", "group_id", "centre"]]
     write_view(root, "centre_all", view_all, tileset=DEMO_TILESET, confounder_column="centre",
                design="all", overwrite=overwrite)
-    parts = []
-    for a, b in combinations(_CENTRES, 2):
-        part = view_all[view_all["centre"].isin([a, b])].copy()
-        part["subset"] = f"{a}|{b}"
-        parts.append(part)
-    write_view(root, "centre_paired", pd.concat(parts, ignore_index=True), tileset=DEMO_TILESET,
+    write_view(root, "centre_paired", _paired_view(view_all, _CENTRES), tileset=DEMO_TILESET,
                confounder_column="centre", design="paired_2x2", overwrite=overwrite)
     atomic_write_json(root / "cache.json", {
         "kind": "cachescore-demo",
@@ -386,12 +392,7 @@ def _write_scale_cache(root: Path, *, names, scales, dtype, rows, dim, n_labels,
                design="all", overwrite=overwrite)
     views = {"scale_all": "all"}
     if paired_view:
-        parts = []
-        for a, b in combinations(conf_names, 2):
-            part = view_all[view_all["centre"].isin([a, b])].copy()
-            part["subset"] = f"{a}|{b}"
-            parts.append(part)
-        write_view(root, "paired_2x2", pd.concat(parts, ignore_index=True), tileset=SCALE_TILESET,
+        write_view(root, "paired_2x2", _paired_view(view_all, conf_names), tileset=SCALE_TILESET,
                    confounder_column="centre", design="paired_2x2", overwrite=overwrite)
         views["paired_2x2"] = "paired_2x2"
     atomic_write_json(root / "cache.json", {

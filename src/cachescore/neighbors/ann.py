@@ -533,25 +533,12 @@ class _Partition:
     def __init__(self, u, n_clusters, seed, *, sample=None, iters=8, block=65536, keep_scores=False):
         n, d = u.shape
         c = int(max(1, min(n_clusters, n)))
+        from .partition import spherical_kmeans  # partition imports this module's merge kernel
+
         rng = np.random.default_rng(seed)
         size = min(n, int(sample) if sample else max(20000, 40 * c))
         pick = np.sort(rng.choice(n, size=size, replace=False))
-        x = np.asarray(u[pick], dtype=np.float32)
-        cent = x[rng.choice(size, size=c, replace=False)].copy()
-        for _ in range(iters):
-            lab = np.argmax(x @ cent.T, axis=1)
-            srt = np.argsort(lab, kind="stable")
-            cnt = np.bincount(lab, minlength=c)
-            new = np.zeros_like(cent)
-            nz = np.flatnonzero(cnt)
-            new[nz] = np.add.reduceat(x[srt], np.concatenate([[0], np.cumsum(cnt)[:-1]])[nz], axis=0)
-            norms = np.linalg.norm(new, axis=1)
-            empty = norms == 0
-            if empty.any():  # reseed empty clusters with random sample rows
-                new[empty] = x[rng.choice(size, size=int(empty.sum()), replace=False)]
-                norms[empty] = np.linalg.norm(new[empty], axis=1)
-            norms[norms == 0] = 1.0
-            cent = new / norms[:, None]
+        cent = spherical_kmeans(np.asarray(u[pick], dtype=np.float32), c, random_state=rng, iters=iters)
         self.centroids = cent
         cl = np.empty(n, dtype=np.int64)
         #: (n, C) float32 centroid scores ``u · centroid`` when ``keep_scores`` (typed preselection)
@@ -585,10 +572,13 @@ class _Partition:
 def _merge_tile(bi, bd, dist, tids, k):
     """Merge a distance tile ``dist`` (b, w) (+inf = not eligible) over target rows ``tids`` (w,)
     into the running top-k ``bi`` / ``bd`` (b, k) by (dist, idx), in place. An entry farther than
-    the row's current k-th distance is dropped before any sort (ties with it are kept)."""
+    the row's current k-th distance is dropped before any sort (ties with it are kept), and so is
+    every ``+inf`` entry (a row with fewer than k eligible entries so far has threshold ``+inf``,
+    and ``inf <= inf`` must not turn its whole masked row into candidates)."""
     thr = bd[:, k - 1].astype(dist.dtype)
     if dist.shape[1] > k and not np.isfinite(thr).all():
         thr = np.minimum(thr, np.partition(dist, k - 1, axis=1)[:, k - 1])
+    np.minimum(thr, np.finfo(dist.dtype).max, out=thr)
     b, w = dist.shape
     flat = np.flatnonzero(dist <= thr[:, None])
     if flat.size == 0:

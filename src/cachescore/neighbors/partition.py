@@ -127,19 +127,24 @@ def probe_levels(order: np.ndarray, stops: np.ndarray) -> np.ndarray:
     return lev
 
 
-def _ineligible(kind: str, q: tuple, t: tuple) -> np.ndarray:
-    """(bq, bt) bool: pairs that may not be neighbours of ``kind`` (``q``/``t``: (groups, labels,
-    confounders) of the query and target rows; labels/confounders unused for ``cross``)."""
-    bad = q[0][:, None] == t[0][None, :]
-    if kind == "cross":
-        return bad
+def _ineligible_masks(kinds, q: tuple, t: tuple) -> dict:
+    """Per kind, the (bq, bt) bool mask of pairs that may not be its neighbours (``q``/``t``:
+    (groups, labels, confounders) of the query and target rows; labels/confounders unused for
+    ``cross``). The comparisons are made once and shared by the kinds."""
+    same_g = q[0][:, None] == t[0][None, :]
+    if all(kind == "cross" for kind in kinds):
+        return {kind: same_g for kind in kinds}
     same_l = q[1][:, None] == t[1][None, :]
     same_c = q[2][:, None] == t[2][None, :]
-    if kind == "so":
-        return bad | ~same_l | same_c
-    if kind == "os":
-        return bad | same_l | ~same_c
-    raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    masks = {}
+    for kind in kinds:
+        if kind == "cross":
+            masks[kind] = same_g
+        elif kind == "so":
+            masks[kind] = same_g | ~same_l | same_c
+        else:  # os
+            masks[kind] = same_g | same_l | ~same_c
+    return masks
 
 
 def topk_tiles(qv, q_meta, tv, t_ids, t_meta, k, out: dict, *, tq=TILE_Q, tt=TILE_T) -> None:
@@ -167,7 +172,8 @@ def topk_tiles(qv, q_meta, tv, t_ids, t_meta, k, out: dict, *, tq=TILE_Q, tt=TIL
             e = min(qv.shape[0], s + tq)
             dist = cosine_distance_block(qv[s:e], ut)
             qm = tuple(None if a is None else a[s:e] for a in q_meta)
+            masks = _ineligible_masks(out, qm, tm)
             for j, (kind, (best_i, best_d)) in enumerate(out.items()):
                 d = dist if j == len(out) - 1 else dist.copy()
-                d[_ineligible(kind, qm, tm)] = np.inf
+                d[masks[kind]] = np.inf
                 _merge_tile(best_i[s:e], best_d[s:e], d, ids, k)

@@ -1,5 +1,7 @@
-"""Neighbour backends by name: ``"exact"`` (blocked GEMM), ``"ann"`` (pynndescent + exact refinement)
-and ``"auto"`` (chosen per scope from its size by :func:`choose_backend`).
+"""Neighbour backends by name: ``"exact"`` (blocked GEMM), ``"ann"`` (:mod:`~cachescore.neighbors.ann`:
+IVF partition or pynndescent graph, exact distances, measured recall) and ``"auto"`` (chosen per
+scope from its size by :func:`choose_backend`). Scopes above ``[neighbors] large_scope_rows`` are
+searched out of core by :mod:`cachescore.pipeline.large_scope` instead, whatever the backend.
 
 Every backend provides the same two functions with the same return contracts, so the metrics never
 branch on the backend:

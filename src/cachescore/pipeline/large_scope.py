@@ -259,6 +259,7 @@ class _Layout:
     order_pos: np.ndarray  # (n,) int64
     cluster: np.ndarray  # (n,) int32 by scope position
     codes: np.ndarray  # (3, n) int64: groups, labels, confounders by scope position
+    n_conf: int  # cell code of a row: label * n_conf + confounder
 
     def read_clusters(self, clusters) -> tuple[np.ndarray, np.ndarray]:
         """Rows of ``clusters`` from every chunk: (vectors (r, d), scope positions (r,))."""
@@ -304,25 +305,24 @@ def _brute_task(layout: _Layout, j: int, qv: np.ndarray, qpos: np.ndarray, kinds
         tv = _read_row_runs(layout.paths[j], [(0, n_rows)], layout.dim, np.dtype(layout.dtype), layout.header[j])
         tpos = layout.order_pos[layout.chunk_start[j] : layout.chunk_start[j + 1]]
         out = {kind: (np.full((qpos.size, k), -1, np.int64), np.full((qpos.size, k), np.inf)) for kind in kinds}
-        topk_tiles(qv, _meta(layout.codes, qpos), tv, tpos, _meta(layout.codes, tpos), k, out)
+        _Targets(layout, tv, tpos).search(qv, _meta(layout.codes, qpos), np.arange(qpos.size), k, out, None)
         return out
 
 
 def _search_task(layout: _Layout, batch: dict, kinds: tuple, k: int, path: str) -> int:
     """Search the query clusters of ``batch`` and write a part file; returns its query count.
 
-    ``batch`` maps a query cluster ``a`` to its probe plan: for ``cross``, the probed clusters;
-    for ``so``/``os``, a dict ``{query cell: {target cell: probed clusters}}``. Cells are
-    ``label * n_conf + confounder`` codes carried in ``batch["__cells__"]`` = (labels, confs) of
-    each cell code.
+    ``batch`` maps a query cluster ``a`` to its probe plan: ``{"cross": probed clusters}``, or for
+    the typed kinds ``{"cells": {target cell: probed clusters}}`` (cell code ``label * n_conf +
+    confounder``). Targets are read in pieces of at most :data:`PIECE_ROWS` rows (whole clusters)
+    and searched by :meth:`_Targets.search`.
     """
     with _pinned():
-        q_clusters = sorted(a for a in batch if a != "__cells__")
+        q_clusters = sorted(batch)
         qv, qpos = layout.read_clusters(q_clusters)
         qcl = layout.cluster[qpos]
         q_meta = _meta(layout.codes, qpos)
         res = {kind: (np.full((qpos.size, k), -1, np.int64), np.full((qpos.size, k), np.inf)) for kind in kinds}
-        n_conf = batch["__cells__"]
         needed = sorted({int(c) for a in q_clusters for c in _plan_clusters(batch[a])})
         # targets in pieces of at most PIECE_ROWS rows (whole clusters)
         sizes = layout.bounds[:, 1:].sum(axis=0) - layout.bounds[:, :-1].sum(axis=0)
@@ -337,29 +337,10 @@ def _search_task(layout: _Layout, batch: dict, kinds: tuple, k: int, path: str) 
             rows_in_piece += int(sizes[c])
         if piece:
             pieces.append(piece)
-        q_cell = q_meta[1] * n_conf + q_meta[2]
         for piece in pieces:
-            tv, tpos = layout.read_clusters(piece)
-            tcl = layout.cluster[tpos]
-            t_meta = _meta(layout.codes, tpos)
-            t_cell = t_meta[1] * n_conf + t_meta[2]
+            target = _Targets(layout, *layout.read_clusters(piece))
             for a in q_clusters:
-                qa = np.flatnonzero(qcl == a)
-                plan = batch[a]
-                for kind in kinds:
-                    bi, bd = res[kind]
-                    if kind == "cross":
-                        sel = np.flatnonzero(np.isin(tcl, plan["cross"]))
-                        _run(qv, q_meta, qa, tv, tpos, t_meta, sel, k, kind, bi, bd)
-                        continue
-                    for qc, targets in plan[kind].items():
-                        qs = qa[q_cell[qa] == qc]
-                        if qs.size == 0:
-                            continue
-                        ok = np.zeros(tcl.size, dtype=bool)
-                        for tc, clus in targets.items():
-                            ok |= (t_cell == tc) & np.isin(tcl, clus)
-                        _run(qv, q_meta, qs, tv, tpos, t_meta, np.flatnonzero(ok), k, kind, bi, bd)
+                target.search(qv, q_meta, np.flatnonzero(qcl == a), k, res, batch[a])
         arrays = {"pos": qpos}
         for kind in kinds:
             arrays[f"{kind}_idx"], arrays[f"{kind}_dist"] = res[kind]
@@ -367,23 +348,68 @@ def _search_task(layout: _Layout, batch: dict, kinds: tuple, k: int, path: str) 
         return int(qpos.size)
 
 
-def _run(qv, q_meta, qsel, tv, tpos, t_meta, tsel, k, kind, bi, bd) -> None:
-    if qsel.size == 0 or tsel.size == 0:
-        return
-    sub_i, sub_d = bi[qsel], bd[qsel]
-    topk_tiles(qv[qsel], tuple(a[qsel] for a in q_meta), tv[tsel], tpos[tsel], tuple(a[tsel] for a in t_meta),
-               k, {kind: (sub_i, sub_d)})
-    bi[qsel], bd[qsel] = sub_i, sub_d
+class _Targets:
+    """One piece of target rows (vectors, scope positions, codes), sorted by (cell, cluster).
+
+    A target cell is then one contiguous slice, read by the kernel without a copy when all its
+    clusters are probed. The typed search runs per target cell, separately for the queries it
+    serves as SO pool (same label, other confounder) and as OS pool (other label, same
+    confounder): each pair is computed once, and only the group rule remains to be masked.
+    """
+
+    def __init__(self, layout: _Layout, tv: np.ndarray, tpos: np.ndarray):
+        self.n_conf = layout.n_conf
+        groups, labels, confs = _meta(layout.codes, tpos)
+        cell = labels * self.n_conf + confs
+        srt = np.lexsort((layout.cluster[tpos], cell))
+        self.tv, self.tpos, cell = tv[srt], tpos[srt], cell[srt]
+        self.t_meta = (groups[srt], labels[srt], confs[srt])
+        self.cluster = layout.cluster[self.tpos]
+        cells = np.unique(cell)
+        lo, hi = np.searchsorted(cell, cells), np.searchsorted(cell, cells, side="right")
+        self.span = {int(c): (int(a), int(b)) for c, a, b in zip(cells, lo, hi)}
+
+    def select(self, lo: int, hi: int, clusters) -> slice | np.ndarray:
+        """Rows ``lo:hi`` whose cluster is in ``clusters`` (None = all): a slice when all are."""
+        if clusters is None:
+            return slice(lo, hi)
+        keep = np.isin(self.cluster[lo:hi], clusters)
+        return slice(lo, hi) if keep.all() else lo + np.flatnonzero(keep)
+
+    def search(self, qv, q_meta, qsel, k, res: dict, plan: dict | None) -> None:
+        """Merge the top-k of queries ``qsel`` over this piece into ``res`` (kind -> (idx, dist)
+        of all queries), probing what ``plan`` allows (see :func:`_search_task`; None = all)."""
+        if "cross" in res:
+            clusters = None if plan is None else plan["cross"]
+            self._run(qv, q_meta, qsel, self.select(0, self.tpos.size, clusters), k, res["cross"])
+            return
+        ql, qc = q_meta[1][qsel], q_meta[2][qsel]
+        for tc, (lo, hi) in self.span.items():
+            if plan is not None and tc not in plan["cells"]:
+                continue
+            tsel = self.select(lo, hi, None if plan is None else plan["cells"][tc])
+            tl, tcf = divmod(tc, self.n_conf)
+            self._run(qv, q_meta, qsel[(ql == tl) & (qc != tcf)], tsel, k, res["so"])
+            self._run(qv, q_meta, qsel[(ql != tl) & (qc == tcf)], tsel, k, res["os"])
+
+    def _run(self, qv, q_meta, qsel, tsel, k, table) -> None:
+        if qsel.size == 0 or (isinstance(tsel, np.ndarray) and tsel.size == 0) or (
+                isinstance(tsel, slice) and tsel.stop <= tsel.start):
+            return
+        bi, bd = table
+        sub = (bi[qsel], bd[qsel])
+        # the targets are this query set's pool (one cell, or the whole scope): only groups mask
+        topk_tiles(qv[qsel], (q_meta[0][qsel], None, None), self.tv[tsel], self.tpos[tsel],
+                   (self.t_meta[0][tsel], None, None), k, {"cross": sub})
+        bi[qsel], bd[qsel] = sub
 
 
 def _plan_clusters(plan: dict):
-    for kind, v in plan.items():
-        if kind == "cross":
-            yield from v
-        else:
-            for targets in v.values():
-                for clus in targets.values():
-                    yield from clus
+    if "cross" in plan:
+        yield from plan["cross"]
+    else:
+        for clus in plan["cells"].values():
+            yield from clus
 
 
 # ----------------------------------------------------------------------------- driver
@@ -485,7 +511,8 @@ class LargeScopeSearch:
             cluster[z["order_pos"][s:e]] = np.repeat(np.arange(b.size - 1, dtype=np.int32), np.diff(b))
         codes = np.stack([np.asarray(a, dtype=np.int64) for a in (rows.groups, rows.labels, rows.confounders)])
         return _Layout(paths=paths, header=headers, dim=int(meta["dim"]), dtype=meta["dtype"], bounds=z["bounds"],
-                       chunk_start=z["chunk_start"], order_pos=z["order_pos"], cluster=cluster, codes=codes)
+                       chunk_start=z["chunk_start"], order_pos=z["order_pos"], cluster=cluster, codes=codes,
+                       n_conf=int(codes[2].max()) + 1 if rows.n else 1)
 
     def _build_partition(self, folder: Path, rows: ScopeRows) -> None:
         from ..cache import Cache
@@ -540,8 +567,7 @@ class LargeScopeSearch:
         c = layout.bounds.shape[1] - 1
         sizes = layout.bounds[:, 1:].sum(axis=0) - layout.bounds[:, :-1].sum(axis=0)
         order = probe_order(_load_npz(folder.parent / "partition" / "layout.npz")["centroids"])
-        n_conf = int(layout.codes[2].max()) + 1 if n else 1
-        cell = layout.codes[1] * n_conf + layout.codes[2]
+        cell = layout.codes[1] * layout.n_conf + layout.codes[2]
         cells = np.unique(cell)
         cell_sizes = {int(t): np.bincount(layout.cluster[cell == t], minlength=c) for t in cells}
         stops = {"cross": probe_stops(order, sizes, FRACTIONS)} if "cross" in kinds else {}
@@ -559,7 +585,7 @@ class LargeScopeSearch:
         rounds = 0
         while True:
             frac = FRACTIONS[level]
-            self._run_search(folder, layout, layout_f, kinds, k, order, sizes, cell_sizes, stops, level, n_conf, cell)
+            self._run_search(folder, layout, layout_f, kinds, k, order, sizes, cell_sizes, stops, level)
             if truth is None:
                 recall, n_audit = 1.0, 0
             else:
@@ -622,29 +648,17 @@ class LargeScopeSearch:
         frac = _calibrate(levels, t_idx, t_dist, tol, want, FRACTIONS)
         return FRACTIONS.index(frac) if frac in FRACTIONS else len(FRACTIONS) - 1, truth, audit
 
-    def _run_search(self, folder, layout, layout_f, kinds, k, order, sizes, cell_sizes, stops, level, n_conf, cell):
+    def _run_search(self, folder, layout, layout_f, kinds, k, order, sizes, cell_sizes, stops, level):
         c = sizes.size
         plans = {}
         for a in range(c):
             if sizes[a] == 0:
                 continue
-            plan = {}
             if "cross" in kinds:
-                plan["cross"] = probed_clusters(order, sizes, a, int(stops["cross"][a, level]))
-            if "so" in kinds:
-                q_cells = np.unique(cell[layout.cluster == a])
-                for kind in ("so", "os"):
-                    per_q = {}
-                    for qc in q_cells:
-                        ql, qcf = divmod(int(qc), n_conf)
-                        targets = {}
-                        for t in cell_sizes:
-                            tl, tcf = divmod(t, n_conf)
-                            related = (tl == ql and tcf != qcf) if kind == "so" else (tl != ql and tcf == qcf)
-                            if related:
-                                targets[t] = probed_clusters(order, cell_sizes[t], a, int(stops[t][a, level]))
-                        per_q[int(qc)] = targets
-                    plan[kind] = per_q
+                plan = {"cross": probed_clusters(order, sizes, a, int(stops["cross"][a, level]))}
+            else:
+                plan = {"cells": {t: probed_clusters(order, sz, a, int(stops[t][a, level]))
+                                  for t, sz in cell_sizes.items()}}
             plans[a] = plan
         batches, cur, cur_rows = [], {}, 0
         for a in sorted(plans):
@@ -660,7 +674,6 @@ class LargeScopeSearch:
         parts_dir.mkdir()
         futures = []
         for i, b in enumerate(batches):
-            b["__cells__"] = n_conf
             futures.append(self.client.submit(_search_task, layout_f, b, kinds, k, str(parts_dir / f"part-{i:05d}.npz"),
                                               pure=False))
         counts = _gather_or_cancel(self.client, futures)
