@@ -12,8 +12,7 @@ the rows it has read from disk and nothing here ever needs the whole scope in me
   with ``f``; ``f >= 1`` probes every non-empty cluster, which makes the search exact.
 * :func:`topk_tiles`: the exact kernel run on probed rows: blocked GEMMs
   (:func:`~cachescore.neighbors.normalize.cosine_distance_block`, the exact engines' arithmetic),
-  ineligible pairs set to ``+inf`` (same group; for typed neighbours also the wrong cell type),
-  merged into a running top-k by ``(distance, global index)``.
+  same-group pairs set to ``+inf``, merged into a running top-k by ``(distance, global index)``.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from .ann import _merge_tile
 from .normalize import cosine_distance_block
 
 __all__ = [
-    "KINDS",
     "spherical_kmeans",
     "assign_clusters",
     "probe_order",
@@ -33,9 +31,6 @@ __all__ = [
     "probe_levels",
     "topk_tiles",
 ]
-
-#: Neighbour kinds of :func:`topk_tiles`: cross-group (RI/MaRI), SO and OS (CRoMa, spec §7.10).
-KINDS = ("cross", "so", "os")
 
 #: Query rows × target rows of one distance tile in :func:`topk_tiles`.
 TILE_Q, TILE_T = 1024, 8192
@@ -127,53 +122,24 @@ def probe_levels(order: np.ndarray, stops: np.ndarray) -> np.ndarray:
     return lev
 
 
-def _ineligible_masks(kinds, q: tuple, t: tuple) -> dict:
-    """Per kind, the (bq, bt) bool mask of pairs that may not be its neighbours (``q``/``t``:
-    (groups, labels, confounders) of the query and target rows; labels/confounders unused for
-    ``cross``). The comparisons are made once and shared by the kinds."""
-    same_g = q[0][:, None] == t[0][None, :]
-    if all(kind == "cross" for kind in kinds):
-        return {kind: same_g for kind in kinds}
-    same_l = q[1][:, None] == t[1][None, :]
-    same_c = q[2][:, None] == t[2][None, :]
-    masks = {}
-    for kind in kinds:
-        if kind == "cross":
-            masks[kind] = same_g
-        elif kind == "so":
-            masks[kind] = same_g | ~same_l | same_c
-        else:  # os
-            masks[kind] = same_g | same_l | ~same_c
-    return masks
+def topk_tiles(qv, q_groups, tv, t_ids, t_groups, k, best_i, best_d, *, tq=TILE_Q, tt=TILE_T) -> None:
+    """Merge the exact top-``k`` other-group neighbours of the queries over the targets, in place.
 
-
-def topk_tiles(qv, q_meta, tv, t_ids, t_meta, k, out: dict, *, tq=TILE_Q, tt=TILE_T) -> None:
-    """Merge the exact top-``k`` neighbours of each kind of ``out`` over the targets, in place.
-
-    ``qv`` (b, d) and ``tv`` (r, d) normalised rows (one dtype); ``t_ids`` (r,) int64 global indices
-    (the tie order); ``q_meta`` / ``t_meta``: tuples ``(groups, labels, confounders)`` of int arrays
-    of shapes (b,) / (r,) (labels and confounders may be None for ``cross``). ``out`` maps a kind
-    of :data:`KINDS` to its running result ``(best_i (b, k) int64, best_d (b, k) float64)``
-    (``-1``/``+inf`` = empty), ordered by ``(distance, index)``. Each distance tile
-    ``clip(1 - q·t, 0, 2)`` (the rows' dtype) is computed once and serves every kind.
-    Raises ``ValueError`` for an unknown kind.
+    ``qv`` (b, d) and ``tv`` (r, d) normalised rows (one dtype); ``q_groups`` (b,) / ``t_groups``
+    (r,) group codes (a same-group pair is never a neighbour); ``t_ids`` (r,) int64 global indices
+    (the tie order); ``best_i`` (b, k) int64 and ``best_d`` (b, k) float64 hold the running result
+    (``-1``/``+inf`` = empty), ordered by ``(distance, index)``. Distances are
+    ``clip(1 - q·t, 0, 2)`` in the rows' dtype, one GEMM per ``tq × tt`` tile. The caller chooses
+    the targets: all probed rows (cross-group) or one SO/OS pool cell (typed), so the group rule is
+    the only mask.
     """
-    for kind in out:
-        if kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if qv.shape[0] == 0 or tv.shape[0] == 0:
         return
     for t0 in range(0, tv.shape[0], tt):
         t1 = min(tv.shape[0], t0 + tt)
-        ut = tv[t0:t1]
-        tm = tuple(None if a is None else a[t0:t1] for a in t_meta)
-        ids = t_ids[t0:t1]
+        ut, ids, tg = tv[t0:t1], t_ids[t0:t1], t_groups[t0:t1]
         for s in range(0, qv.shape[0], tq):
             e = min(qv.shape[0], s + tq)
             dist = cosine_distance_block(qv[s:e], ut)
-            qm = tuple(None if a is None else a[s:e] for a in q_meta)
-            masks = _ineligible_masks(out, qm, tm)
-            for j, (kind, (best_i, best_d)) in enumerate(out.items()):
-                d = dist if j == len(out) - 1 else dist.copy()
-                d[masks[kind]] = np.inf
-                _merge_tile(best_i[s:e], best_d[s:e], d, ids, k)
+            dist[q_groups[s:e, None] == tg[None, :]] = np.inf
+            _merge_tile(best_i[s:e], best_d[s:e], dist, ids, k)

@@ -397,11 +397,10 @@ class _Targets:
                 isinstance(tsel, slice) and tsel.stop <= tsel.start):
             return
         bi, bd = table
-        sub = (bi[qsel], bd[qsel])
-        # the targets are this query set's pool (one cell, or the whole scope): only groups mask
-        topk_tiles(qv[qsel], (q_meta[0][qsel], None, None), self.tv[tsel], self.tpos[tsel],
-                   (self.t_meta[0][tsel], None, None), k, {"cross": sub})
-        bi[qsel], bd[qsel] = sub
+        sub_i, sub_d = bi[qsel], bd[qsel]
+        # the targets are this query set's pool (one cell, or the probed scope): only groups mask
+        topk_tiles(qv[qsel], q_meta[0][qsel], self.tv[tsel], self.tpos[tsel], self.t_meta[0][tsel], k, sub_i, sub_d)
+        bi[qsel], bd[qsel] = sub_i, sub_d
 
 
 def _plan_clusters(plan: dict):

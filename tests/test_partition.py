@@ -1,0 +1,91 @@
+"""The building blocks of the out-of-core IVF search (cachescore.neighbors.partition).
+
+Pins: probe levels agree with the probe sets they summarise (a cluster's level is the first
+fraction whose probe set holds it; sets grow with the fraction; f = 1 probes every non-empty
+cluster); k-means is deterministic and every row goes to its most similar centroid; the tile
+kernel equals a brute-force reference (same-group pairs excluded, ties by index) whatever the
+tile sizes and however the targets are split into pieces.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cachescore.neighbors.normalize import cosine_distance_block, normalize_rows
+from cachescore.neighbors.partition import (
+    assign_clusters,
+    probe_levels,
+    probe_order,
+    probe_stops,
+    probed_clusters,
+    spherical_kmeans,
+    topk_tiles,
+)
+
+FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_probe_levels_match_probe_sets(seed):
+    rng = np.random.default_rng(seed)
+    cent = normalize_rows(rng.standard_normal((23, 8)).astype(np.float32))
+    order = probe_order(cent)
+    assert (order[:, 0] == np.arange(23)).all()  # a cluster probes itself first
+    sizes = rng.integers(0, 50, 23)
+    sizes[rng.integers(0, 23)] = 0  # an empty cluster is never probed
+    stops = probe_stops(order, sizes, FRACTIONS)
+    lev = probe_levels(order, stops)
+    for a in range(23):
+        seen = set()
+        for i, f in enumerate(FRACTIONS):
+            probed = set(probed_clusters(order, sizes, a, int(stops[a, i])).tolist())
+            assert seen <= probed  # sets grow with the fraction
+            if f < 1:
+                assert sizes[list(probed)].sum() >= f * sizes.sum() or probed == set(np.flatnonzero(sizes))
+            else:
+                assert probed == set(np.flatnonzero(sizes).tolist())
+            for b in probed:
+                assert lev[a, b] <= i
+            for b in set(range(23)) - probed:
+                assert lev[a, b] > i or sizes[b] == 0
+            seen = probed
+
+
+def test_kmeans_is_deterministic_and_assignment_is_nearest_centroid():
+    rng = np.random.default_rng(0)
+    x = normalize_rows(rng.standard_normal((3000, 16)).astype(np.float32))
+    a = spherical_kmeans(x, 12, random_state=5)
+    b = spherical_kmeans(x, 12, random_state=5)
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(np.linalg.norm(a, axis=1), 1, atol=1e-6)
+    cl = assign_clusters(x, a, block=700)
+    np.testing.assert_array_equal(cl, np.argmax(x @ a.T, axis=1))
+    with pytest.raises(ValueError, match="n_clusters"):
+        spherical_kmeans(x, 0)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_topk_tiles_equals_brute_force(dtype):
+    rng = np.random.default_rng(1)
+    # small dyadic entries: every dot product is exact in any summation order (so tile shapes
+    # cannot move a bit), and many distances tie, so the (distance, index) order is exercised
+    q = (rng.integers(-2, 3, (37, 6)) / 8).astype(dtype)
+    t = (rng.integers(-2, 3, (301, 6)) / 8).astype(dtype)
+    qg, tg = rng.integers(0, 9, 37), rng.integers(0, 9, 301)
+    ids = rng.permutation(5000)[:301].astype(np.int64)
+    k = 7
+    d = cosine_distance_block(q, t).astype(np.float64)
+    d[qg[:, None] == tg[None, :]] = np.inf
+    want_i = np.full((37, k), -1)
+    want_d = np.full((37, k), np.inf)
+    for r in range(37):
+        order = np.lexsort((ids, d[r]))[:k]
+        ok = np.isfinite(d[r, order])
+        want_i[r, : ok.sum()] = ids[order][ok]
+        want_d[r, : ok.sum()] = d[r, order][ok]
+    got_i, got_d = np.full((37, k), -1), np.full((37, k), np.inf)
+    for lo, hi in ((0, 120), (120, 121), (121, 301)):  # targets in pieces, small tiles
+        topk_tiles(q, qg, t[lo:hi], ids[lo:hi], tg[lo:hi], k, got_i, got_d, tq=10, tt=33)
+    np.testing.assert_array_equal(got_i, want_i)
+    np.testing.assert_array_equal(got_d, want_d)
