@@ -43,7 +43,6 @@ import math
 import os
 import shutil
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +59,7 @@ from ..neighbors.partition import (
     spherical_kmeans,
     topk_tiles,
 )
+from ..store.atomic import atomic_write, atomic_write_json, partial_path
 from .blocked_search import _gather_or_cancel
 
 __all__ = [
@@ -119,16 +119,7 @@ def remove_scratch(units) -> None:
 
 
 def _atomic_save_npz(path: Path, **arrays) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    with open(tmp, "wb") as fh:
-        np.savez(fh, **arrays)
-    os.replace(tmp, path)
-
-
-def _atomic_json(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    tmp.write_text(json.dumps(obj, sort_keys=True))
-    os.replace(tmp, path)
+    atomic_write(path, lambda fh: np.savez(fh, **arrays))
 
 
 def _load_npz(path) -> dict:
@@ -237,10 +228,7 @@ def _chunk_task(rows: ScopeRows, start: int, stop: int, centroids: np.ndarray, p
         cl = assign_clusters(u, centroids)
         order = np.argsort(cl, kind="stable")
         bounds = np.searchsorted(cl[order], np.arange(centroids.shape[0] + 1)).astype(np.int64)
-        tmp = Path(path).with_name(f".{Path(path).name}.{uuid.uuid4().hex}.tmp")
-        with open(tmp, "wb") as fh:
-            np.save(fh, np.ascontiguousarray(u[order]))
-        os.replace(tmp, path)
+        atomic_write(Path(path), lambda fh: np.save(fh, np.ascontiguousarray(u[order])))
         return pos[order], bounds
 
 
@@ -539,7 +527,7 @@ class LargeScopeSearch:
         chunk_start = np.concatenate([[0], np.cumsum([p[0].size for p in parts])]).astype(np.int64)
         _atomic_save_npz(folder / "layout.npz", order_pos=order_pos, chunk_start=chunk_start,
                          bounds=np.stack([p[1] for p in parts]), centroids=centroids)
-        _atomic_json(folder / "done.json", {"files": files, "dim": dim, "dtype": compute_dtype(meta.dtype).name, "n": n, "clusters": int(c),
+        atomic_write_json(folder / "done.json", {"files": files, "dim": dim, "dtype": compute_dtype(meta.dtype).name, "n": n, "clusters": int(c),
                                             "seconds": round(time.perf_counter() - t0, 3)})
 
     def _tables(self, key, rows: ScopeRows, kinds: tuple, k: int) -> dict:
@@ -602,7 +590,7 @@ class LargeScopeSearch:
                     f"{self.target} on {n_audit} sampled rows after {rounds} widening round(s) (n={n}, probe "
                     f"fraction {frac:g}); raise max_rounds or use backend='exact'")
             rounds, level = rounds + 1, level + 1
-        _atomic_json(folder / "done.json", {"recall": float(recall), "n_recall_queries": n_audit, "rounds": rounds,
+        atomic_write_json(folder / "done.json", {"recall": float(recall), "n_recall_queries": n_audit, "rounds": rounds,
                                             "probe_fraction": float(frac), "n_clusters": int(c),
                                             "exact": bool(frac >= 1), "n": int(n),
                                             "seconds_calibration": round(t_cal, 3),
@@ -682,8 +670,8 @@ class LargeScopeSearch:
         tables = {}
         for kind in kinds:
             for what, dt in (("idx", np.int64), ("dist", np.float64)):
-                tables[(kind, what)] = np.lib.format.open_memmap(folder / f".{kind}_{what}.npy.tmp", mode="w+",
-                                                                 dtype=dt, shape=(n, k))
+                tables[(kind, what)] = np.lib.format.open_memmap(partial_path(folder / f"{kind}_{what}.npy"),
+                                                                 mode="w+", dtype=dt, shape=(n, k))
         for i in range(len(batches)):
             part = _load_npz(parts_dir / f"part-{i:05d}.npz")
             for kind in kinds:
@@ -691,8 +679,8 @@ class LargeScopeSearch:
                 tables[(kind, "dist")][part["pos"]] = part[f"{kind}_dist"]
         for (kind, what), mm in tables.items():
             mm.flush()
-            del mm
-            os.replace(folder / f".{kind}_{what}.npy.tmp", folder / f"{kind}_{what}.npy")
+            os.replace(mm.filename, folder / f"{kind}_{what}.npy")
+        del tables, mm
         shutil.rmtree(parts_dir, ignore_errors=True)
 
 
