@@ -99,6 +99,14 @@ BRUTE_MAX_ROWS = 2048
 class RecallTargetError(RuntimeError):
     """The measured recall stayed below the target after every widening round."""
 
+    @classmethod
+    def after_rounds(cls, search: str, recall: float, target: float, n_audit: int, rounds: int, detail: str,
+                     remedy: str = "max_rounds") -> "RecallTargetError":
+        """The error every widening search raises, one wording: ``search`` names it, ``detail``
+        its size and last setting, ``remedy`` the option that widens further."""
+        return cls(f"{search} reached recall {recall:.4f} < target {target} on {n_audit} sampled rows after "
+                   f"{rounds} widening round(s) ({detail}); raise {remedy} or use backend='exact'")
+
 
 @dataclass(frozen=True, kw_only=True)
 class AnnKnnResult:
@@ -800,11 +808,8 @@ def _ivf_cross_search(u, groups, kmax, *, target, seed, n_recall_queries, n_clus
         if recall >= target:
             return idx, dist, recall, int(audit.size), rounds, frac, False, part.n_clusters
         if rounds >= int(max_rounds):
-            raise RecallTargetError(
-                f"ANN (ivf) cross-group search reached recall {recall:.4f} < target {target} on "
-                f"{audit.size} sampled rows after {rounds} widening round(s) (n={n}, kmax={kmax}, "
-                f"probe fraction {frac:g}); raise max_rounds or use backend='exact'"
-            )
+            raise RecallTargetError.after_rounds("ANN (ivf) cross-group search", recall, target, audit.size, rounds,
+                                                 f"n={n}, kmax={kmax}, probe fraction {frac:g}")
         rounds, frac = rounds + 1, 2 * frac
 
 
@@ -847,11 +852,8 @@ def _ivf_typed_search(u, labels, confounders, groups, m, *, target, seed, n_reca
         if recall >= target:
             return so[1], os_[1], recall, int(audit.size), rounds, frac, False
         if rounds >= int(max_rounds):
-            raise RecallTargetError(
-                f"ANN (ivf) typed search reached recall {recall:.4f} < target {target} on "
-                f"{audit.size} sampled rows after {rounds} widening round(s) (n={n}, m={m}, "
-                f"probe fraction {frac:g}); raise max_rounds or use backend='exact'"
-            )
+            raise RecallTargetError.after_rounds("ANN (ivf) typed search", recall, target, audit.size, rounds,
+                                                 f"n={n}, m={m}, probe fraction {frac:g}")
         rounds, frac = rounds + 1, 2 * frac
 
 
@@ -1023,11 +1025,9 @@ def cross_group_knn_ann_with_recall(
         if recall >= target:
             break
         if rounds >= int(max_rounds):
-            raise RecallTargetError(
-                f"ANN cross-group search reached recall {recall:.4f} < target {target} on "
-                f"{audit.size} sampled rows after {rounds} widening round(s) (n={n}, kmax={kmax}, "
-                f"candidate width {width}); raise n_neighbors / max_rounds or use backend='exact'"
-            )
+            raise RecallTargetError.after_rounds("ANN cross-group search", recall, target, audit.size, rounds,
+                                                 f"n={n}, kmax={kmax}, candidate width {width}",
+                                                 "n_neighbors / max_rounds")
         kept, rounds = idx, rounds + 1
         width, eps = min(n, 2 * width), min(0.5, eps + 0.1)
     return AnnKnnResult(
@@ -1185,11 +1185,8 @@ def typed_knn_ann_with_recall(
         if recall >= target:
             break
         if rounds >= int(max_rounds):
-            raise RecallTargetError(
-                f"ANN typed search reached recall {recall:.4f} < target {target} on {audit.size} "
-                f"sampled rows after {rounds} widening round(s) (n={n}, m={m}); raise n_neighbors "
-                f"/ max_rounds or use backend='exact'"
-            )
+            raise RecallTargetError.after_rounds("ANN typed search", recall, target, audit.size, rounds,
+                                                 f"n={n}, m={m}", "n_neighbors / max_rounds")
         rounds, mult, eps = rounds + 1, 2 * mult, min(0.5, eps + 0.1)
     return AnnTypedResult(
         so_dist=so[1], os_dist=os_[1], recall=recall, recall_target=target,

@@ -553,7 +553,8 @@ class LargeScopeSearch:
         n = layout.order_pos.size
         c = layout.bounds.shape[1] - 1
         sizes = layout.bounds[:, 1:].sum(axis=0) - layout.bounds[:, :-1].sum(axis=0)
-        order = probe_order(_load_npz(folder.parent / "partition" / "layout.npz")["centroids"])
+        with np.load(folder.parent / "partition" / "layout.npz", allow_pickle=False) as z:
+            order = probe_order(z["centroids"])
         cell = layout.codes[1] * layout.n_conf + layout.codes[2]
         cells = np.unique(cell)
         cell_sizes = {int(t): np.bincount(layout.cluster[cell == t], minlength=c) for t in cells}
@@ -585,10 +586,8 @@ class LargeScopeSearch:
             if recall >= self.target or frac >= 1:
                 break
             if rounds >= self.max_rounds:
-                raise RecallTargetError(
-                    f"large-scope ANN search ({'/'.join(kinds)}, k={k}) reached recall {recall:.4f} < target "
-                    f"{self.target} on {n_audit} sampled rows after {rounds} widening round(s) (n={n}, probe "
-                    f"fraction {frac:g}); raise max_rounds or use backend='exact'")
+                raise RecallTargetError.after_rounds(f"large-scope ANN search ({'/'.join(kinds)}, k={k})", recall,
+                                                     self.target, n_audit, rounds, f"n={n}, probe fraction {frac:g}")
             rounds, level = rounds + 1, level + 1
         atomic_write_json(folder / "done.json", {"recall": float(recall), "n_recall_queries": n_audit, "rounds": rounds,
                                             "probe_fraction": float(frac), "n_clusters": int(c),
