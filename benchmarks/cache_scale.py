@@ -20,7 +20,9 @@ recall and the speed ratio.
 3. While the job runs a sampler thread polls every worker's ``/proc/<pid>/status`` (pids from
    ``client.run(os.getpid)``) every ``--sample-interval`` seconds: max ``VmRSS`` and max
    ``RssAnon`` (RSS without the memory-mapped cache shards), and ``VmHWM`` just before the
-   cluster closes. Linux only for the memory figures (they are ``null`` elsewhere).
+   cluster closes; and the same maxima of this process, which runs ``cachescore run`` and so
+   drives the large-scope units (their O(n) state lives here, not on the workers). Linux only for
+   the memory figures (they are ``null`` elsewhere).
 4. Prints per backend: wall time of the run, per-worker peaks, the unit records from the results
    store (:class:`cachescore.store.ResultsStore`: value, k, tau, m, recall, seconds), then the
    exact/ann speed ratio and ``|ann - exact|`` per metric. ``--json`` writes everything.
@@ -235,7 +237,8 @@ def run_backend(a, backend: str, cache: Path) -> dict:
                       memory_limit=a.memory_limit, env=env) as cluster, \
             Client(cluster, set_as_default=False) as client:
         pids = client.run(os.getpid)
-        sampler = WorkerMemorySampler(pids, a.sample_interval)
+        # this process runs `cachescore run`: it drives the large-scope units (their O(n) state)
+        sampler = WorkerMemorySampler(dict(pids, client=os.getpid()), a.sample_interval)
         sampler.start()
         argv = ["run", str(job), "--scheduler", cluster.scheduler_address] + ([] if a.progress else ["--quiet"])
         t0 = time.perf_counter()
@@ -245,9 +248,12 @@ def run_backend(a, backend: str, cache: Path) -> dict:
             wall = time.perf_counter() - t0
             peaks = sampler.finish()
     out.update(rc=int(rc), wall_s=round(wall, 2))
+    client_peak = peaks.pop("client")
     out["workers"] = {w: {"pid": p["pid"], "max_vmrss_mib": _mib(p["max_vmrss"] or None),
                           "max_rssanon_mib": _mib(p["max_rssanon"] or None), "vmhwm_mib": _mib(p["vmhwm"]),
                           "samples": p["samples"]} for w, p in peaks.items()}
+    out["client_max_vmrss_mib"] = _mib(client_peak["max_vmrss"] or None)
+    out["client_max_rssanon_mib"] = _mib(client_peak["max_rssanon"] or None)
     out["client_vmhwm_mib"] = _mib(proc_status(os.getpid()).get("VmHWM"))
     records, failures = read_records(store)
     out["records"] = json.loads(records.to_json(orient="records", date_format="iso"))
@@ -269,7 +275,9 @@ def print_backend(res: dict) -> None:
         print(f"   worker {w} (pid {p['pid']}): peak VmRSS {_fmt(p['max_vmrss_mib'], 1)} MiB, "
               f"peak RssAnon {_fmt(p['max_rssanon_mib'], 1)} MiB, VmHWM {_fmt(p['vmhwm_mib'], 1)} MiB "
               f"({p['samples']} samples)")
-    print(f"   client process VmHWM {_fmt(res['client_vmhwm_mib'], 1)} MiB")
+    print(f"   client process (drives large-scope units): peak VmRSS {_fmt(res.get('client_max_vmrss_mib'), 1)} MiB "
+          f"during the run, peak RssAnon {_fmt(res.get('client_max_rssanon_mib'), 1)} MiB, "
+          f"VmHWM {_fmt(res['client_vmhwm_mib'], 1)} MiB (process lifetime)")
     cols = [c for c in dict.fromkeys((*RECORD_COLUMNS, *EXTRA_KEYS)) if res["records"] and c in res["records"][0]]
     if res["records"]:
         print("   " + "  ".join(f"{c:>10}" for c in cols))

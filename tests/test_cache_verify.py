@@ -123,6 +123,19 @@ def test_row_order_and_count_changes_are_alignment_problems(tmp_path):
     assert "embeddings have 30 rows but" in problems[0].message and "has 29" in problems[0].message
 
 
+def test_a_view_table_changed_outside_write_view_is_a_view_checksum_problem(tmp_path):
+    """The sidecar records the table's sha256 and size; a table rewritten behind its back (still a
+    valid Parquet file with the same columns) is reported as such, not as a generic view problem."""
+    cache, m = build(tmp_path / "c", tmp_path)
+    path = cache.root / "views" / "v_ok.parquet"
+    table = pq.read_table(path)
+    pq.write_table(table.take(np.arange(table.num_rows)[::-1]), path)
+    problems = verify_cache(cache.root, checksums=False)
+    assert [(p.kind, p.view, p.file) for p in problems] == [("view_checksum", "v_ok", str(path))]
+    assert "does not match the sha256/size recorded in its sidecar" in problems[0].message
+    assert problems[0].message.count("view 'v_ok'") == 1
+
+
 def test_problem_kind_is_checked():
     with pytest.raises(ValueError, match="unknown problem kind 'oops'"):
         Problem(kind="oops", message="x")

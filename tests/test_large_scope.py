@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import threading
 import warnings
 
 import numpy as np
@@ -139,7 +141,7 @@ def test_probing_every_cluster_equals_the_exact_engines(cache_root, client, tmp_
     assert [d["exact"] for d in search.details] == [True, True] and search.recall == 1.0
     # several chunks, clusters and batches were involved
     part = tmp_path / "scratch" / "s0" / "partition"
-    assert len(list(part.glob("chunk-*.npy"))) == 4
+    assert len(list(part.glob("chunk-?????.npy"))) == len(list(part.glob("chunk-?????.meta.npy"))) == 4
 
 
 def test_ann_prunes_on_clustered_data_and_meets_the_recall_target(cache_root, client, tmp_path):
@@ -181,6 +183,88 @@ def test_paired_scopes_are_searched_separately(cache_root, client, tmp_path):
         np.testing.assert_array_equal(np.asarray(idx), cross_group_knn(u, sc.groups, 10)[0])
     with pytest.raises(LookupError, match="no large scope"):
         search.cross(None, np.zeros(5, dtype=np.int64), 3)
+
+
+class _SpyClient:
+    """A client whose ``submit`` / ``scatter`` record the largest row count of any array they ship."""
+
+    def __init__(self, client):
+        self._client, self.rows = client, []
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+    def _measure(self, obj) -> int:
+        if isinstance(obj, np.ndarray):
+            return int(obj.shape[0]) if obj.ndim else 1
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            return max([0] + [self._measure(getattr(obj, f.name)) for f in dataclasses.fields(obj)])
+        if isinstance(obj, dict):
+            return max([0] + [self._measure(v) for v in obj.values()] + [self._measure(k) for k in obj])
+        if isinstance(obj, (list, tuple, set)):
+            return max([0] + [self._measure(v) for v in obj]) if not all(isinstance(v, int) for v in obj) else len(obj)
+        return 0
+
+    def submit(self, fn, *args, **kwargs):
+        self.rows.append((fn.__name__, self._measure(args)))
+        return self._client.submit(fn, *args, **kwargs)
+
+    def scatter(self, data, **kwargs):
+        self.rows.append(("scatter", self._measure(data)))
+        return self._client.scatter(data, **kwargs)
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "ann"])
+def test_no_task_receives_an_argument_that_grows_with_the_scope(cache_root, client, tmp_path, exact):
+    """Worker memory bounded by chunk size: tasks read rows, codes and positions from scratch files;
+    what they are sent is bounded by the k-means sample, the calibration sample, a batch's probe plan
+    or the chunks × clusters bounds, never by the scope's 3,600 rows."""
+    root, _ = cache_root
+    prepared, scopes, _ = scope_rows(root, "all", "all")
+    sc = prepared.scopes[0]
+    spy = _SpyClient(client)
+    search = ls.LargeScopeSearch(spy, scopes, tmp_path / "scratch", exact=exact, recall_target=0.99,
+                                 n_recall_queries=300)
+    search.cross(None, sc.groups, 15)
+    search.typed(None, sc.labels, sc.confounders, sc.groups, 5)
+    names = {name for name, _ in spy.rows}
+    assert {"_sample_task", "_chunk_task", "_search_task"} <= names and ("_brute_task" in names) != exact
+    bound = max(ls.KMEANS_MAX_SAMPLE, ls.CALIBRATION_QUERIES + 300, math.ceil(3600 / ls.ROWS_PER_CLUSTER) + 1)
+    assert bound < sc.n == 3600
+    assert max(rows for _, rows in spy.rows) <= bound, sorted(spy.rows, key=lambda r: -r[1])[:5]
+
+
+def test_large_units_are_driven_from_the_client_and_retried(cache_root, client, tmp_path, monkeypatch):
+    """No large unit runs as a task (its O(n) state would sit on a worker): each is driven on a
+    client thread; a transient error is retried, a persistent one is recorded and the rest finish."""
+    from cachescore.pipeline.execute import execute_plan
+
+    root, _ = cache_root
+    job = _job(tmp_path, root, "exact")
+    threads, calls = {}, {}
+    real = unit_mod.score_large_unit
+
+    def flaky(unit, cl):
+        threads[unit.label] = threading.current_thread().name
+        calls[unit.label] = calls.get(unit.label, 0) + 1
+        if unit.encoder == "enc1" and unit.metric == "ri":
+            raise OSError("scheduler connection reset")  # never heals
+        if unit.encoder == "enc0" and unit.metric == "croma" and calls[unit.label] == 1:
+            raise OSError("worker lost")  # heals on the retry
+        return real(unit, cl)
+
+    monkeypatch.setattr(unit_mod, "score_large_unit", flaky)
+    plan = plan_job(job)
+    ok, failures = execute_plan(plan, client, out=None, retries=1, large_unit_drivers=2)
+    assert ok == len(plan.pending) - 1 and [f["label"].split("/")[0] for f in failures] == ["enc1"]
+    assert "OSError: scheduler connection reset" in failures[0]["error"]
+    assert all(name.startswith("cachescore-large") for name in threads.values()), threads
+    assert calls["enc1/all/all/ri"] == calls["enc0/all/all/croma[m=5]"] == 2  # one retry each
+    assert sum(calls.values()) == len(plan.pending) + 2
+    failed = ResultsStore(tmp_path / "store-exact").failures()
+    assert len(failed) == 1 and "scheduler connection reset" in failed.iloc[0]["error"]
+    with pytest.raises(ValueError, match="driven from the client"):
+        unit_mod.run_unit(plan.pending[0])
 
 
 def _job(tmp_path, root, backend, **neighbors):

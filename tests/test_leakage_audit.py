@@ -79,6 +79,33 @@ def test_slide_in_two_roles_is_critical_and_named():
     assert rep["passed"] is False and "slide" in rep["critical"]
 
 
+def test_patient_overlap_under_slide_protection_is_a_warning_with_examples():
+    """Spec C.3 rule 5 / Part D: with slide protection, a patient split across roles (slides s2, s3
+    of p1 in val and in_domain) is counted and shown as a warning; under patient protection (the
+    default: the coarsest level present) the same plan is critical."""
+    plan = [oc([0, 1, 2, 3], [4, 5], [6, 7, 8, 9])]
+    rep = audit(plan, protected_level="slide")
+    assert rep["passed"] is True and rep["critical"] == [] and rep["breaches"] == []
+    assert rep["protected_level"] == "slide" and rep["protected_levels"] == ["slide"]
+    assert [(b["level"], b["roles"], b["ids"]) for b in rep["coarser_overlaps"]] == [("patient", ["val", "in_domain"],
+                                                                                    ["p1"])]
+    assert rep["coarser_overlaps"][0]["rows"] == [4, 5, 6, 7]
+    assert rep["per_outcome"][0]["overlap_counts"]["patient"] == 1  # counted, never hidden
+    note = [w for w in rep["warnings"] if w.startswith("patient overlaps")]
+    assert len(note) == 1 and "coarser than the protected level 'slide'" in note[0] and "['p1']" in note[0]
+    with pytest.raises(LeakageError, match=r"patient leaks across val / in_domain"):
+        audit(plan)  # default protected level: patient
+    with pytest.raises(LeakageError, match=r"patient leaks across val / in_domain"):
+        audit(plan, protected_level="patient")
+    # a slide overlap stays critical under slide protection
+    with pytest.raises(LeakageError, match=r"slide leaks across train / in_domain") as ei:
+        audit([oc([0, 1, 2, 3, 4], [6, 7], [5, 8, 9])], protected_level="slide")
+    assert {b["level"] for b in ei.value.breaches} == {"slide"}
+    assert {b["level"] for b in ei.value.report["coarser_overlaps"]} == {"patient"}  # p1 in all three roles
+    with pytest.raises(ValueError, match=r"protected_level 'case' is not among the group levels \['patient', 'slide'\]"):
+        audit(plan, protected_level="case")
+
+
 def test_patient_level_only():
     # slides whole, but patient p1 (slides s2, s3) split between val and test
     with pytest.raises(LeakageError, match=r"patient leaks across val / in_domain: 1 id\(s\) \['p1'\]") as ei:
@@ -159,6 +186,22 @@ def test_test_set_groups_must_not_appear_in_the_sweep_rows():
     # a test set without group ids is reported as not audited, never silently clean
     rep = audit([oc(**CLEAN)], test_set_sizes=sizes)
     assert rep["test_sets"]["ood"]["levels_checked"] == [] and "not audited" in rep["warnings"][0]
+
+
+def test_group_spanning_the_id_and_ood_sides_is_critical_whatever_the_plan():
+    """Spec C.3 rule 7: slide s3 (rows 6, 7) is in the in-domain pool (no role of the plan uses it)
+    and in the unseen-confounder test set: critical ``group_spans_ood``."""
+    sizes = {"ood": 2}
+    ts_groups = {"ood": {"slide": np.array(["s3", "z"]), "patient": np.array(["q1", "q2"])}}
+    with pytest.raises(LeakageError, match=r"group_spans_ood leaks across in-domain rows / ood: 1 id\(s\) \['s3'\]") as ei:
+        audit([oc(**CLEAN)], test_set_sizes=sizes, test_set_groups=ts_groups,
+              test_set_confounders={"ood": np.array([5, 5])})
+    assert [b["level"] for b in ei.value.breaches] == ["group_spans_ood"]  # the plan never used s3
+    b = ei.value.breaches[0]
+    assert b["rows"] == [6, 7] and b["test_set_rows"] == [0] and b["group_level"] == "slide"
+    assert "group_spans_ood" in ei.value.report["checks"]
+    # a test set that is not an unseen-confounder set (no confounders given) is outside rule 7
+    assert audit([oc(**CLEAN)], test_set_sizes=sizes, test_set_groups=ts_groups)["passed"] is True
 
 
 def test_conflicting_labels_on_one_tile_even_inside_one_role():

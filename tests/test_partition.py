@@ -89,3 +89,10 @@ def test_topk_tiles_equals_brute_force(dtype):
         topk_tiles(q, qg, t[lo:hi], ids[lo:hi], tg[lo:hi], k, got_i, got_d, tq=10, tt=33)
     np.testing.assert_array_equal(got_i, want_i)
     np.testing.assert_array_equal(got_d, want_d)
+    # the same targets selected by row numbers (shuffled, in two selections), gathered per tile
+    perm = rng.permutation(301)
+    sel_i, sel_d = np.full((37, k), -1), np.full((37, k), np.inf)
+    for rows in (perm[:150], perm[150:]):
+        topk_tiles(q, qg, t, ids, tg, k, sel_i, sel_d, rows=rows, tq=10, tt=33)
+    np.testing.assert_array_equal(sel_i, want_i)
+    np.testing.assert_array_equal(sel_d, want_d)

@@ -185,11 +185,10 @@ def test_temperature_fit_failure_keeps_raw_with_a_warning(data):
     assert all(r["ece_raw"] == r["ece_calibrated"] for r in rows)
 
 
-def test_leaky_arrangement_is_caught(data):
-    patient_of_row = data["patient"]
-
+def leaky_arrangement(patient_of_row):
+    """A slide arrangement that splits patients: shuffle, then send the partner slide of each
+    cell's first slide to the end (the test tail)."""
     def leaky(cells, rng):
-        # shuffle, then send the partner slide of each cell's first slide to the end (test tail)
         for per_conf in cells:
             for slides in per_conf:
                 rng.shuffle(slides)
@@ -197,13 +196,32 @@ def test_leaky_arrangement_is_caught(data):
                 k = next(i for i in range(1, len(slides)) if patient_of_row[slides[i][0]] == first)
                 slides.append(slides.pop(k))
         return cells
+    return leaky
 
+
+def test_leaky_arrangement_is_caught(data):
+    leaky = leaky_arrangement(data["patient"])
     with pytest.raises(LeakageError, match="patient leaks across train / in_domain") as ei:
         run_eval(data, groups={"slide": data["slide"], "patient": data["patient"]}, arrange_slides=leaky,
                  test_set_groups={"out_of_domain": {"slide": data["ood_slide"], "patient": data["ood_patient"]}})
     b = [b for b in ei.value.breaches if b["level"] == "patient"][0]
     assert b["ids"] and all(str(i).startswith("P") for i in b["ids"])
     assert b["rows"]
+
+
+def test_patient_leak_under_slide_protection_is_a_recorded_warning(data):
+    """Spec C.3 rule 5: the same leaky arrangement with ``protected_level="slide"`` runs; the
+    patient overlaps are counted and shown in the audit (never hidden), and the evaluation records
+    the protected level."""
+    ev = run_eval(data, groups={"slide": data["slide"], "patient": data["patient"]},
+                  arrange_slides=leaky_arrangement(data["patient"]),
+                  test_set_groups={"out_of_domain": {"slide": data["ood_slide"], "patient": data["ood_patient"]}},
+                  protected_level="slide")
+    assert ev.audit["passed"] is True and ev.audit["protected_level"] == "slide"
+    coarse = ev.audit["coarser_overlaps"]
+    assert coarse and {b["level"] for b in coarse} == {"patient"} and all(b["ids"] and b["rows"] for b in coarse)
+    assert any(w.startswith("patient overlaps across roles") for w in ev.audit["warnings"])
+    assert ev.parameters["protected_level"] == "slide"
 
 
 def test_tampered_outcomes_are_caught(data):

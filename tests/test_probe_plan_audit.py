@@ -33,7 +33,7 @@ from cachescore.probe.audit import LeakageError, audit_content
 from cachescore.probe.evaluate import SCALAR_METRICS, evaluate_run, safe_class_columns
 from cachescore.probe.plan import build_probe_plan
 from cachescore.probe.sweep import sweep_outcomes
-from test_probe_evaluate import RPS, SCHEDULE, make_data, run_eval
+from test_probe_evaluate import RPS, SCHEDULE, leaky_arrangement, make_data, run_eval
 
 
 @pytest.fixture(scope="module")
@@ -96,18 +96,6 @@ def test_evaluation_records_the_plan_hash(data, evaluation):
 
 
 # --------------------------------------------------------------------------- audit before fit
-
-
-def leaky_arrangement(patient_of_row):
-    def leaky(cells, rng):
-        for per_conf in cells:
-            for slides in per_conf:
-                rng.shuffle(slides)
-                first = patient_of_row[slides[0][0]]
-                k = next(i for i in range(1, len(slides)) if patient_of_row[slides[i][0]] == first)
-                slides.append(slides.pop(k))
-        return cells
-    return leaky
 
 
 def test_failing_plan_audit_fits_nothing_and_submits_nothing(data, monkeypatch):

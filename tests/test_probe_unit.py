@@ -168,6 +168,7 @@ def test_params_defaults_normalisation_and_roundtrip(params):
     ({"id_filter": {"column": "subset", "value": "ID", "values": ["ID"]}},
      r"'probe\.id_filter' needs exactly one of 'value' or 'values'"),
     ({"group_levels": {"patient": "group_id"}}, r"'probe\.group_levels' must name the 'slide' level"),
+    ({"protected_level": "patient"}, r"'probe\.protected_level' must be one of the group levels \['slide'\], got 'patient'"),
     ({"class_order": ["a", "a"]}, r"'probe\.class_order' lists \['a'\] more than once"),
     ({"temperature": "yes"}, r"'probe\.temperature' must be true or false, got 'yes'"),
 ])

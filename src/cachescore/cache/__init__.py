@@ -19,6 +19,7 @@ from .errors import (
     NonFiniteError,
     ShardError,
     ShardNotFoundError,
+    ViewChecksumError,
     ViewError,
 )
 from .importer import import_cache
@@ -48,4 +49,5 @@ __all__ = [
     "ShardNotFoundError",
     "NonFiniteError",
     "ViewError",
+    "ViewChecksumError",
 ]

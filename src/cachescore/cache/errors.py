@@ -17,6 +17,7 @@ __all__ = [
     "ShardNotFoundError",
     "NonFiniteError",
     "ViewError",
+    "ViewChecksumError",
 ]
 
 
@@ -50,3 +51,8 @@ class NonFiniteError(CacheError):
 
 class ViewError(CacheError):
     """A view table or its sidecar is invalid (missing columns, unknown sample_id, blank values)."""
+
+
+class ViewChecksumError(ViewError):
+    """A view table's bytes differ from the sha256/size its sidecar records (a file changed outside
+    ``write_view``, or a replacement in progress)."""

@@ -27,6 +27,7 @@ from .errors import (
     NonFiniteError,
     ShardError,
     ShardNotFoundError,
+    ViewChecksumError,
     ViewError,
 )
 from .layout import (
@@ -101,8 +102,8 @@ VIEW_READ_ATTEMPTS = 6
 VIEW_RETRY_PAUSE = 0.05
 
 
-def _view_mismatch(view: str, table: Path, sidecar: Path, attempts: int) -> ViewError:
-    return ViewError(
+def _view_mismatch(view: str, table: Path, sidecar: Path, attempts: int) -> ViewChecksumError:
+    return ViewChecksumError(
         f"view {view!r}: {table} does not match the sha256/size recorded in its sidecar {sidecar} "
         f"(checked {attempts} times): the view is being replaced right now, or one of its files was "
         "changed outside write_view; retry, or rewrite the view with write_view"

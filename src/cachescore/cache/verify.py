@@ -19,7 +19,7 @@ import numpy as np
 
 from .._finite import nonfinite_rows
 
-from .errors import CacheError, ShardNotFoundError
+from .errors import CacheError, ShardNotFoundError, ViewChecksumError
 from .layout import check_name, embeddings_dir, meta_path, parse_meta, tiles_path, view_sidecar_path, view_table_path
 from .writer import _rows, sample_ids_digest
 
@@ -39,6 +39,7 @@ PROBLEM_KINDS = {
     "non_finite": "a shard holds NaN or infinite values",
     "view": "a view's sidecar or table is invalid (columns, blank values, unknown sample_id, tileset)",
     "view_incomplete": "a view table has no sidecar (or a sidecar no table)",
+    "view_checksum": "a view table's sha256/size differs from the one recorded in its sidecar",
 }
 
 #: At most this many row positions are kept in :attr:`Problem.rows` (``n_rows`` has the full count).
@@ -189,8 +190,10 @@ def _check_views(cache, problems: list) -> None:
                 tileset = cache.view_spec(view).tileset
             except (CacheError, ValueError, OSError):
                 pass
-            problems.append(Problem(kind="view", view=view, tileset=tileset, file=str(view_table_path(cache.root, view)),
-                                    message=f"view {view!r}: {exc}"))
+            mismatch = isinstance(exc, ViewChecksumError)  # its message names the view and both files
+            problems.append(Problem(kind="view_checksum" if mismatch else "view", view=view, tileset=tileset,
+                                    file=str(view_table_path(cache.root, view)),
+                                    message=str(exc) if mismatch else f"view {view!r}: {exc}"))
 
 
 def verify_cache(root, *, checksums: bool = True, finite: bool = True) -> list[Problem]:

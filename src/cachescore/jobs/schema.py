@@ -15,7 +15,8 @@ Layout of a job file (``schema_version = 1``)::
     [metrics.mari]   k_candidates, tau, warn_tau
     [metrics.croma]  m, alpha, start_k, k_growth_factor
     [neighbors]  backend, auto_threshold, recall_target, recall_sample, seed
-    [execution]  n_workers, memory_limit, retries, dashboard, performance_report, scheduler
+    [execution]  n_workers, memory_limit, retries, large_unit_drivers, dashboard, performance_report,
+                 scheduler
     [probe]      optional PathoROB probe sweep per encoder × probe view; its keys are
                  :data:`cachescore.pipeline.probe_unit.PROBE_KEYS`, validated by ``ProbeParams``
 
@@ -208,6 +209,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "n_workers": Key((int,), 2, "LocalCluster worker processes (one thread each).", _positive_int),
         "memory_limit": Key((str,), "auto", "LocalCluster memory limit per worker ('auto' or e.g. '4GiB').", _non_empty),
         "retries": Key((int,), 2, "Retries of a work unit after a transient (non-data) failure.", _non_negative_int),
+        "large_unit_drivers": Key((int,), 3, "Large-scope units (see [neighbors] large_scope_rows) driven at once "
+                                             "from the client process; each holds its scope's O(n) codes and "
+                                             "per-unit values there while its searches run on the workers.",
+                                  _positive_int),
         "dashboard": Key((bool,), True, "Serve the LocalCluster dashboard on 127.0.0.1 (a free port) and print its URL."),
         "performance_report": Key((bool,), True, "Save a Dask performance report (HTML) in the store's run folder."),
     },

@@ -122,7 +122,7 @@ def probe_levels(order: np.ndarray, stops: np.ndarray) -> np.ndarray:
     return lev
 
 
-def topk_tiles(qv, q_groups, tv, t_ids, t_groups, k, best_i, best_d, *, tq=TILE_Q, tt=TILE_T) -> None:
+def topk_tiles(qv, q_groups, tv, t_ids, t_groups, k, best_i, best_d, *, rows=None, tq=TILE_Q, tt=TILE_T) -> None:
     """Merge the exact top-``k`` other-group neighbours of the queries over the targets, in place.
 
     ``qv`` (b, d) and ``tv`` (r, d) normalised rows (one dtype); ``q_groups`` (b,) / ``t_groups``
@@ -131,13 +131,16 @@ def topk_tiles(qv, q_groups, tv, t_ids, t_groups, k, best_i, best_d, *, tq=TILE_
     (``-1``/``+inf`` = empty), ordered by ``(distance, index)``. Distances are
     ``clip(1 - q·t, 0, 2)`` in the rows' dtype, one GEMM per ``tq × tt`` tile. The caller chooses
     the targets: all probed rows (cross-group) or one SO/OS pool cell (typed), so the group rule is
-    the only mask.
+    the only mask. ``rows`` (optional int array) selects the targets among ``tv``'s rows; they are
+    gathered one ``tt`` tile at a time, so a selection never copies the whole target set.
     """
-    if qv.shape[0] == 0 or tv.shape[0] == 0:
+    n_t = tv.shape[0] if rows is None else len(rows)
+    if qv.shape[0] == 0 or n_t == 0:
         return
-    for t0 in range(0, tv.shape[0], tt):
-        t1 = min(tv.shape[0], t0 + tt)
-        ut, ids, tg = tv[t0:t1], t_ids[t0:t1], t_groups[t0:t1]
+    for t0 in range(0, n_t, tt):
+        t1 = min(n_t, t0 + tt)
+        at = slice(t0, t1) if rows is None else rows[t0:t1]
+        ut, ids, tg = tv[at], t_ids[at], t_groups[at]
         for s in range(0, qv.shape[0], tq):
             e = min(qv.shape[0], s + tq)
             dist = cosine_distance_block(qv[s:e], ut)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import platform
+import queue
 import sys
 import time
 import uuid
@@ -92,29 +93,41 @@ def _say(out: TextIO | None, msg: str) -> None:
 
 
 def execute_plan(plan: Plan, client, *, store=None, retries: int = 2, out: TextIO | None = sys.stderr,
-                 unit_fn=None, load_fn=None, run_id: str | None = None, probe_fn=None) -> tuple[int, list]:
+                 unit_fn=None, load_fn=None, run_id: str | None = None, probe_fn=None,
+                 large_unit_drivers: int = 3) -> tuple[int, list]:
     """Run the plan's pending units on ``client``; return ``(n_succeeded, failures)``.
 
     One task per unit (key ``cachescore-<metric>-<fingerprint prefix>-<run id>``), ``retries``
-    retries for exceptions that are not data errors, all gathered in one ``as_completed`` loop:
-    metric units run :func:`~.unit.run_unit`, probe-sweep units :func:`~.unit.run_probe_task`
-    (submitted first, with a higher priority: each secedes from its worker's thread pool and fans
-    its replicates out as further tasks, so metric units run while sweeps are in flight). A unit
-    whose task finally errors (retries exhausted, worker killed too often) is recorded as failed in
-    the store by the client. ``unit_fn`` / ``load_fn`` / ``probe_fn`` replace
-    :func:`~.unit.score_unit` / :func:`~.unit.load_unit_inputs` / ``run_probe_unit`` (tests).
+    retries for exceptions that are not data errors: metric units run :func:`~.unit.run_unit`,
+    probe-sweep units :func:`~.unit.run_probe_task` (submitted first, with a higher priority: each
+    secedes from its worker's thread pool and fans its replicates out as further tasks, so metric
+    units run while sweeps are in flight). Units planned out of core (``engine = "distributed"``)
+    are not tasks: up to ``large_unit_drivers`` of them at a time are driven from this process
+    on threads (:func:`~.unit.drive_large_unit`), and only their bounded search tasks go to the
+    workers. Completions of both kinds are gathered in one loop that draws the progress bar.
+    A unit whose task finally errors (retries exhausted, worker killed too often) is recorded as
+    failed in the store by the client. ``unit_fn`` / ``load_fn`` / ``probe_fn`` replace
+    :func:`~.unit.score_unit` / :func:`~.unit.load_unit_inputs` / ``run_probe_unit`` (tests; with
+    ``unit_fn`` or ``load_fn`` large units run as tasks too).
     """
-    from distributed import as_completed
+    from concurrent.futures import Future as LocalFuture
+    from concurrent.futures import ThreadPoolExecutor
 
     from ..store import ResultsStore
     from .large_scope import remove_scratch
-    from .unit import run_probe_task
+    from .unit import drive_large_unit, run_probe_task
 
     store = ResultsStore(plan.job.store) if store is None else store
     pending = sorted(plan.pending, key=lambda u: u.metric != "probe")  # probe units first (stable)
     units = {u.fingerprint: u for u in pending}
+    drive_here = unit_fn is None and load_fn is None
+    driven = [u for u in pending if drive_here and u.metric != "probe" and u.params.get("engine") == "distributed"]
+    driven_fps = {u.fingerprint for u in driven}
+    finished: queue.Queue = queue.Queue()  # futures of both kinds, as they complete
     futures = {}
     for fp, u in units.items():
+        if fp in driven_fps:
+            continue
         # the run id in the key keeps runs apart: a key still held by another client (e.g. an
         # erred task of an earlier run) would otherwise be reused instead of recomputed
         key = f"cachescore-{u.metric}-{fp[:32]}-{run_id or 'adhoc'}"
@@ -124,28 +137,43 @@ def execute_plan(plan: Plan, client, *, store=None, retries: int = 2, out: TextI
         else:
             fut = client.submit(run_unit, u, unit_fn, load_fn, run_id, key=key, retries=retries, pure=False)
         futures[fut] = fp
+        fut.add_done_callback(finished.put)
+    drivers = ThreadPoolExecutor(max_workers=max(1, int(large_unit_drivers)), thread_name_prefix="cachescore-large")
+    for u in driven:
+        fut = drivers.submit(drive_large_unit, u, client, run_id, retries)
+        futures[fut] = u.fingerprint
+        fut.add_done_callback(finished.put)
     bar = ProgressBar(len(futures), out)
     succeeded, failures = 0, []
-    for fut in as_completed(list(futures), loop=client.loop):
-        unit = units[futures[fut]]
-        if fut.status != "finished":  # erred after its retries, or cancelled (scheduler lost)
-            try:
-                exc = fut.exception()
-            except BaseException as lost:  # noqa: BLE001 - CancelledError is a BaseException
-                exc = lost
-            err = f"{type(exc).__name__}: {exc}"
-            store.record_failure(unit.fingerprint, unit=dict(unit.describe(), run_id=run_id), error=err)
-            failures.append({"label": unit.label, "fingerprint": unit.fingerprint, "error": err})
-            bar.update(unit.label, "FAILED")
-            fut.release()
-            continue
-        res = fut.result()
-        if res["status"] == "done":
-            succeeded += 1
-        else:
-            failures.append({"label": unit.label, "fingerprint": unit.fingerprint, "error": res["error"]})
-        bar.update(unit.label, res["status"] if res["status"] == "done" else "FAILED", res.get("seconds"))
-        fut.release()
+    try:
+        for _ in range(len(futures)):
+            fut = finished.get()
+            unit = units[futures[fut]]
+            if isinstance(fut, LocalFuture):
+                res = fut.result()  # drive_large_unit records its own failures and never raises
+            elif fut.status != "finished":  # erred after its retries, or cancelled (scheduler lost)
+                try:
+                    exc = fut.exception()
+                except BaseException as lost:  # noqa: BLE001 - CancelledError is a BaseException
+                    exc = lost
+                err = f"{type(exc).__name__}: {exc}"
+                store.record_failure(unit.fingerprint, unit=dict(unit.describe(), run_id=run_id), error=err)
+                failures.append({"label": unit.label, "fingerprint": unit.fingerprint, "error": err})
+                bar.update(unit.label, "FAILED")
+                fut.release()
+                continue
+            else:
+                res = fut.result()
+                fut.release()
+            if res["status"] == "done":
+                succeeded += 1
+            else:
+                failures.append({"label": unit.label, "fingerprint": unit.fingerprint, "error": res["error"]})
+            bar.update(unit.label, res["status"] if res["status"] == "done" else "FAILED", res.get("seconds"))
+    except BaseException:  # interrupted: drivers stop at their next cluster call once the client closes
+        drivers.shutdown(wait=False, cancel_futures=True)
+        raise
+    drivers.shutdown(wait=True)
     remove_scratch(pending)  # large-scope partitions and tables: every unit of this run has ended
     return succeeded, failures
 
@@ -266,7 +294,7 @@ def run_job(job, *, scheduler: str | None = None, out: TextIO | None = sys.stder
                 _say(out, f"dashboard: {summary.dashboard}")
             hardware = _hardware(client)
             kw = dict(store=store, retries=ex["retries"], out=out, unit_fn=unit_fn, load_fn=load_fn, run_id=run_id,
-                      probe_fn=probe_fn)
+                      probe_fn=probe_fn, large_unit_drivers=ex["large_unit_drivers"])
 
             def work():
                 return execute_plan(plan, client, **kw)

@@ -83,6 +83,8 @@ PROBE_KEYS: dict[str, str] = {
     "id_filter": "{column, value | values}: the in-domain rows (default: every row no test set selects)",
     "test_sets": "{name = {column, value | values}}: unseen-confounder test sets scored by every probe",
     "group_levels": "{audit level = view column}; must include 'slide' (default {slide = 'group_id'})",
+    "protected_level": "the group level the split protects (default: the coarsest of patient > case > slide "
+                       "in group_levels); overlaps at coarser identity levels are warnings, not critical",
     "tile_key": "view columns forming a tile's identity (default ['sample_id'])",
     "temperature": "fit temperature scaling on each probe's validation rows (default false)",
     "n_bins": "calibration bins (default 15)",
@@ -282,6 +284,10 @@ def _normalise(d: Mapping, *, where: str, prefix: str) -> dict:
     if reserved:
         raise ProbeParamsError(f"{where}: '{k('group_levels')}' uses reserved level name(s) {reserved}")
     out["group_levels"] = levels
+    pl = d.get("protected_level")
+    if pl is not None and (not isinstance(pl, str) or pl.strip() not in dict(levels)):
+        raise _bad(where, k("protected_level"), f"one of the group levels {sorted(dict(levels))}", pl)
+    out["protected_level"] = None if pl is None else pl.strip()
     tk = d.get("tile_key", ("sample_id",))
     out["tile_key"] = _name_list(where, k("tile_key"), [tk] if isinstance(tk, str) else tk)
     temp = d.get("temperature", False)
@@ -316,6 +322,7 @@ class ProbeParams:
     id_filter: RowFilter | None = None
     test_sets: Any = ()
     group_levels: Any = (("slide", "group_id"),)
+    protected_level: str | None = None
     tile_key: Any = ("sample_id",)
     temperature: bool = False
     n_bins: int = 15
@@ -371,7 +378,8 @@ class ProbeParams:
             "class_order": None if self.class_order is None else list(self.class_order),
             "id_filter": None if self.id_filter is None else self.id_filter.to_dict(),
             "test_sets": {n: f.to_dict() for n, f in self.test_sets},
-            "group_levels": dict(self.group_levels), "tile_key": list(self.tile_key),
+            "group_levels": dict(self.group_levels), "protected_level": self.protected_level,
+            "tile_key": list(self.tile_key),
             "temperature": self.temperature, "n_bins": self.n_bins,
         }
 
@@ -503,7 +511,7 @@ class ProbeInputs:
         return {**self.sweep_kwargs(params), "groups": s.groups, "tile_ids": s.tile_ids,
                 "test_set_groups": s.test_groups or None, "test_set_confounders": s.test_confounders or None,
                 "temperature_scaling": params.temperature, "n_bins": params.n_bins,
-                "class_names": list(s.class_names[:n_classes])}
+                "class_names": list(s.class_names[:n_classes]), "protected_level": params.protected_level}
 
 
 def select_probe_rows(view_frame: pd.DataFrame, params: ProbeParams, *, source: str = "view") -> ProbeSelection:

@@ -8,11 +8,13 @@
   and writes the unit's APD/nIPD records; metric units keep running meanwhile.
 * :func:`run_unit` is the Dask task of a metric unit. It receives only a :class:`~.plan.WorkUnit` (paths and
   parameters, no arrays), reads the embeddings **on the worker**, pins BLAS to one thread, calls
-  the unit function and writes the result atomically to the store. A unit planned with
-  ``params["engine"] == "distributed"`` (a scope of at least ``[neighbors] large_scope_rows``
-  rows) instead secedes (``worker_client``) and runs :func:`score_large_unit`: its neighbour
-  searches fan out over the cluster as tasks that read row chunks from the cache
-  (:mod:`~.large_scope`), so no worker holds the scope's ``n × d`` matrix.
+  the unit function and writes the result atomically to the store.
+* :func:`drive_large_unit` scores a unit planned with ``params["engine"] == "distributed"`` (a
+  scope of at least ``[neighbors] large_scope_rows`` rows) **from the client process**, on a
+  thread of :func:`~.execute.execute_plan`: :func:`score_large_unit` keeps the unit's O(n) state
+  (view, codes, per-unit values, neighbour tables) there and fans its neighbour searches out over
+  the cluster as tasks that read row chunks from the cache (:mod:`~.large_scope`), so a worker's
+  memory is bounded by the chunk and piece sizes, whatever the scope's size.
 
 Failure policy: an exception of a *data* kind (:data:`DATA_ERRORS`: invalid/corrupt/missing
 input, a metric refusing the data) is recorded in the store as the unit's failure and the task
@@ -27,13 +29,15 @@ import threading
 import time
 import traceback
 import warnings
+from collections import defaultdict
 from contextlib import contextmanager
 from datetime import datetime, timezone
 
 import numpy as np
 import pandas as pd
 
-__all__ = ["DATA_ERRORS", "score_unit", "score_large_unit", "run_unit", "run_probe_task", "load_unit_inputs", "result_record"]
+__all__ = ["DATA_ERRORS", "score_unit", "score_large_unit", "drive_large_unit", "run_unit", "run_probe_task",
+           "load_unit_inputs", "result_record"]
 
 #: Exceptions that mean "this unit's data cannot be scored" (recorded, never retried). The cache's
 #: errors subclass ValueError / FileNotFoundError; the metric API raises ValueError/RuntimeError.
@@ -207,14 +211,19 @@ def score_unit(unit, features: np.ndarray, manifest: pd.DataFrame, *, searcher=N
     return record, per_unit
 
 
+#: One lock per (cache, encoder, tileset): concurrent drivers validate an encoder's embeddings once.
+_VALIDATING: defaultdict = defaultdict(threading.Lock)
+
+
 def score_large_unit(unit, client) -> tuple[dict, pd.DataFrame]:
     """Score a unit whose scopes are searched out of core (``params["engine"] == "distributed"``).
 
-    Runs on a worker inside ``distributed.worker_client()`` (``client``): validates the embeddings
-    (streamed shard by shard), reads the view, describes each scope's rows
-    (:class:`~.large_scope.ScopeRows`) and scores with a :class:`~.large_scope.LargeScopeSearch`
-    whose tasks read the embeddings from the cache; this task never holds the ``n × d`` matrix.
-    Same return value and errors as :func:`score_unit`.
+    Runs in the driving process (the client's, see :func:`drive_large_unit`): validates the
+    embeddings (streamed shard by shard, once per process and encoder), reads the view, describes
+    each scope's rows (:class:`~.large_scope.ScopeRows`) and scores with a
+    :class:`~.large_scope.LargeScopeSearch` whose tasks on ``client``'s workers read the
+    embeddings from the cache; no process holds the ``n × d`` matrix. Same return value and errors
+    as :func:`score_unit`.
     """
     from ..cache import Cache
     from ..metrics._manifest import prepare
@@ -223,7 +232,8 @@ def score_large_unit(unit, client) -> tuple[dict, pd.DataFrame]:
 
     p = unit.params
     cache = Cache(unit.cache_root)
-    meta = cache.validate_embeddings(unit.encoder, unit.tileset)
+    with _VALIDATING[(str(unit.cache_root), unit.encoder, unit.tileset)]:  # driver threads share one pass
+        meta = cache.validate_embeddings(unit.encoder, unit.tileset)
     manifest = cache.read_view(unit.view)
     tile_rows = manifest["row"].to_numpy(dtype=np.int64)
     prepared = prepare(manifest, confounder_column=unit.confounder_column, evaluation_design=unit.design,
@@ -279,11 +289,12 @@ def _show_on_thread(message, category, filename, lineno, file=None, line=None):
 def captured_warnings():
     """Record every warning raised **on this thread** into the yielded list (``WarningMessage``).
 
-    ``warnings.catch_warnings`` swaps process-wide state, which breaks when tasks share a worker
-    process: large-scope units secede (``worker_client``) and then run concurrently on threads of
-    one process, so one unit's exit would restore the filters (e.g. ``error``) while another still
-    computes, and warnings would land in the wrong record. Here the first capturing thread installs
-    an ``always`` filter and a dispatcher that appends to the raising thread's own list; the last
+    ``warnings.catch_warnings`` swaps process-wide state, which breaks when units share a process:
+    large-scope units are driven concurrently on threads of the client process
+    (:func:`drive_large_unit`), and a worker with several threads runs several unit tasks. One
+    unit's exit would restore the filters (e.g. ``error``) while another still computes, and
+    warnings would land in the wrong record. Here the first capturing thread installs an
+    ``always`` filter and a dispatcher that appends to the raising thread's own list; the last
     one to leave restores the previous state. Threads that are not capturing keep the previous
     ``showwarning``.
     """
@@ -326,36 +337,71 @@ def run_unit(unit, unit_fn=None, load_fn=None, run_id: str | None = None) -> dic
     Data errors are recorded in the store and returned as ``failed``; other exceptions propagate
     (Dask retries them). ``unit_fn`` (default :func:`score_unit`) and ``load_fn`` (default
     :func:`load_unit_inputs`) are injectable for tests; ``run_id`` is stored with the record.
-    Warnings raised while scoring are stored in the record (``warnings``); capturing them is
-    process-wide, so workers should run one thread each (what :func:`~.cluster.open_client`
-    starts, and what ``deploy/README.md`` asks of deployed workers).
+    Warnings raised while scoring are stored in the record (``warnings``; see
+    :func:`captured_warnings`).
+
+    Raises ``ValueError`` for a unit planned out of core (``params["engine"] == "distributed"``)
+    with the default functions: such a unit is driven from the client by :func:`drive_large_unit`
+    (what :func:`~.execute.execute_plan` does), never loaded into one task.
     """
     from ..store import ResultsStore
 
     default_fns = unit_fn is None and load_fn is None
+    if unit.params.get("engine") == "distributed" and default_fns:
+        raise ValueError(f"{unit.label}: a large-scope unit is driven from the client (drive_large_unit), "
+                         "not run as one task")
     unit_fn = score_unit if unit_fn is None else unit_fn
     load_fn = load_unit_inputs if load_fn is None else load_fn
     store = ResultsStore(unit.store_root)
     t0 = time.perf_counter()
     with _pin_threads(), captured_warnings() as caught:
         try:
-            if unit.params.get("engine") == "distributed" and default_fns:
-                from distributed import worker_client
-
-                t1 = t0  # the search tasks read the embeddings themselves
-                with worker_client() as client:
-                    record, per_unit = score_large_unit(unit, client)
-            else:
-                features, manifest = load_fn(unit)
-                t1 = time.perf_counter()
-                record, per_unit = unit_fn(unit, features, manifest)
+            features, manifest = load_fn(unit)
+            t1 = time.perf_counter()
+            record, per_unit = unit_fn(unit, features, manifest)
         except DATA_ERRORS as exc:
-            return _record_data_failure(store, unit, exc, run_id=run_id, started=t0)
-    t2 = time.perf_counter()
+            return _record_failure(store, unit, exc, run_id=run_id, started=t0)
+    return _write_result(store, unit, record, per_unit, started=t0, loaded=t1, caught=caught, run_id=run_id)
+
+
+def drive_large_unit(unit, client, run_id: str | None = None, retries: int = 0) -> dict:
+    """Score a unit planned out of core (``params["engine"] == "distributed"``) from the calling
+    process, normally the client's (:func:`~.execute.execute_plan` runs several on threads).
+
+    The unit's O(n) state (view frame, scope codes, per-unit values, memory-mapped neighbour tables)
+    lives here; its searches run on ``client``'s workers as tasks that each hold at most one chunk
+    or one target piece (:mod:`~.large_scope`), so worker memory does not grow with the scope.
+    Returns the status dict of :func:`run_unit` (``worker_pid`` is this process). Never raises:
+    a data error is recorded as the unit's failure at once; any other exception (a lost worker, a
+    cancelled task) is retried ``retries`` times (completed scratch artefacts are reused), then
+    recorded as the failure.
+    """
+    from concurrent.futures import CancelledError
+
+    from ..store import ResultsStore
+
+    store = ResultsStore(unit.store_root)
+    t0 = time.perf_counter()
+    for attempt in range(retries + 1):
+        try:
+            with captured_warnings() as caught:
+                record, per_unit = score_large_unit(unit, client)
+            break
+        except DATA_ERRORS as exc:
+            return _record_failure(store, unit, exc, run_id=run_id, started=t0)
+        except (Exception, CancelledError) as exc:  # noqa: BLE001 - recorded, the other units go on
+            if attempt == retries:
+                return _record_failure(store, unit, exc, run_id=run_id, started=t0)
+    return _write_result(store, unit, record, per_unit, started=t0, loaded=t0, caught=caught, run_id=run_id)
+
+
+def _write_result(store, unit, record: dict, per_unit, *, started: float, loaded: float, caught, run_id) -> dict:
+    """Complete a unit's record (timings, versions, inputs, warnings), write it atomically with
+    its per-unit table and return the task's status dict."""
     record = dict(record)
     record.setdefault("fingerprint", unit.fingerprint)
-    record["seconds"] = t2 - t0
-    record["seconds_load"] = t1 - t0
+    record["seconds"] = time.perf_counter() - started
+    record["seconds_load"] = loaded - started
     record["finished_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     record["code_version"] = unit.code_version
     record["inputs"] = dict(unit.inputs)  # lets ``status`` say which input changed since
@@ -366,8 +412,8 @@ def run_unit(unit, unit_fn=None, load_fn=None, run_id: str | None = None) -> dic
             "seconds": record["seconds"], "worker_pid": os.getpid()}
 
 
-def _record_data_failure(store, unit, exc: BaseException, *, run_id, started: float) -> dict:
-    """Record a data error as the unit's failure (not retried) and return the task's status dict.
+def _record_failure(store, unit, exc: BaseException, *, run_id, started: float) -> dict:
+    """Record ``exc`` as the unit's failure and return the task's status dict (``failed``).
 
     Must be called from inside the ``except`` block (the traceback is the current exception's).
     """
@@ -404,7 +450,7 @@ def run_probe_task(unit, bundle_root, run_id: str | None = None, probe_fn=None) 
             records, _ = probe_fn(unit.cache_root, unit.encoder, unit.view, unit.params, bundle_root=bundle_root,
                                   client=client, code_version=unit.code_version)
     except DATA_ERRORS as exc:
-        return _record_data_failure(store, unit, exc, run_id=run_id, started=t0)
+        return _record_failure(store, unit, exc, run_id=run_id, started=t0)
     written = write_probe_records(store, records, run_id=run_id)
     store.clear_failure(unit.fingerprint)  # success lives under per-record fingerprints
     return {"fingerprint": unit.fingerprint, "label": unit.label, "status": "done", "records": written,

@@ -10,8 +10,15 @@ For every (replicate, split) outcome the audit checks, over the roles ``train``,
 * ``tile``: a tile key (row identity, e.g. ``sample_id``, or a composite key given as a tuple of
   arrays, so equal tile ids in different slides are different tiles) in two roles.
 * ``<level>``: a protected group id (slide / case / patient, names configurable) in two roles.
+  Identity levels coarser than the protected one (``protected_level``, default the coarsest of
+  patient > case > slide present; :data:`IDENTITY_LEVELS`) are audited too but only warned
+  about, with counts and examples (rule 5: a slide-level plan that leaks patients is visible,
+  never hidden); they are listed in ``report["coarser_overlaps"]``.
 * ``ood_centre``: a confounder of an unseen-confounder test set that appears among the train,
   val or in-domain test rows of the outcome (codes must share the ``confounders`` id space).
+* ``group_spans_ood`` (rule 7): a protected group with rows among the in-domain rows and in an
+  unseen-confounder test set (one with ``test_set_confounders`` and group ids), whatever the
+  plan; a group spanning several centres of the in-domain rows is only a warning.
 * ``<level>`` / ``tile`` against each extra test set: a group (or tile) of the test set that also
   appears in train, val or in-domain test.
 * ``missing_class:<role>`` (rule 9): a role lacking a class of the task (critical by default;
@@ -66,6 +73,10 @@ ROLES = ("train", "val", "in_domain")
 #: How many example ids / rows a breach lists; counts are always exact.
 MAX_EXAMPLE_IDS = 10
 MAX_EXAMPLE_ROWS = 20
+
+#: Identity levels from fine to coarse (spec C.3 rule 5). Levels with other names are always
+#: protected (critical).
+IDENTITY_LEVELS = ("slide", "case", "patient")
 
 _RESERVED_LEVELS = frozenset({"row", "tile", "ood_centre", "test_set_drift", "replicate_seeds",
                               "conflicting_labels"})
@@ -286,6 +297,19 @@ def _breach(level, replicate, split, roles, ids_mask, level_obj, rows, extra=Non
     return d
 
 
+def _protection(groups: Mapping[str, Any], protected_level: str | None) -> tuple[str | None, frozenset]:
+    """``(protected level, levels coarser than it)`` for rule 5 (see :func:`audit_sweep`)."""
+    known = [lv for lv in IDENTITY_LEVELS if lv in groups]
+    if protected_level is None:
+        return (known[-1] if known else None), frozenset()
+    if protected_level not in groups:
+        raise ValueError(f"protected_level {protected_level!r} is not among the group levels {sorted(groups)}")
+    if protected_level not in IDENTITY_LEVELS:
+        return protected_level, frozenset()
+    rank = IDENTITY_LEVELS.index(protected_level)
+    return protected_level, frozenset(lv for lv in known if IDENTITY_LEVELS.index(lv) > rank)
+
+
 def _check_rows(rows, n_rows: int, *, role: str, replicate, split) -> np.ndarray:
     r = np.asarray(rows)
     if r.ndim != 1 or (r.size and not np.issubdtype(r.dtype, np.integer)):
@@ -337,6 +361,7 @@ def audit_sweep(
     raise_on_leakage: bool = True,
     require_class_coverage: bool = True,
     require_seen_id_centres: bool = True,
+    protected_level: str | None = None,
 ) -> dict:
     """Audit every (replicate, split) outcome of a sweep; return a JSON-serialisable report.
 
@@ -361,6 +386,10 @@ def audit_sweep(
         listed in ``report["relaxed"]``).
     require_seen_id_centres : (default True, spec rule 6) an in-domain test centre absent from
         train is critical ``id_centre_unseen`` (needs ``confounders``); False relaxes it.
+    protected_level : the identity level the split protects, a key of ``groups``. Default: the
+        coarsest of :data:`IDENTITY_LEVELS` among ``groups`` (every level then is critical, since
+        finer levels nest in it). Overlaps at levels of :data:`IDENTITY_LEVELS` coarser than it
+        are warnings (rule 5), reported in ``coarser_overlaps`` and ``warnings``.
 
     Raises
     ------
@@ -382,6 +411,7 @@ def audit_sweep(
         if unknown:
             raise ValueError(f"{what} names test set(s) {unknown} that are not among {sorted(test_set_sizes)}")
 
+    protected_level, coarser = _protection(groups, protected_level)
     levels, ts_levels = _build_levels(n_rows, groups, tile_ids, test_set_sizes, test_set_groups)
     # offsets of each test set in the jointly factorised code arrays
     offsets: dict[str, int] = {}
@@ -392,8 +422,9 @@ def audit_sweep(
             off += size
 
     breaches: list[dict] = []
+    coarse_found: list[dict] = []  # rule 5: overlaps at levels coarser than the protected one
     warnings: list[str] = []
-    checks = ["row", "tile", *groups]
+    checks = ["row", "tile", *[g for g in groups if g not in coarser]]
 
     # conflicting labels: one tile key with two classes (over every in-domain row)
     if labels is not None:
@@ -469,6 +500,27 @@ def audit_sweep(
                 warnings.append(f"{multi.size} {name}(s) span more than one centre, e.g. "
                                 f"{spans[name]['examples']}")
 
+    # rule 7 (critical part): a protected group with rows on both sides of the ID / OOD divide,
+    # i.e. among the in-domain rows and in an unseen-confounder test set (whatever the plan does)
+    if test_set_confounders:
+        checks.append("group_spans_ood")
+        for name in groups:
+            if name in coarser:
+                continue
+            lvl = levels[name]
+            id_groups = _presence(lvl.codes[:n_rows], lvl.n_groups)
+            for ts, o in offsets.items():
+                if ts not in test_set_confounders or name not in ts_levels[ts]:
+                    continue
+                tcodes = lvl.codes[o:o + test_set_sizes[ts]]
+                hit = _presence(tcodes, lvl.n_groups) & id_groups
+                if hit.any():
+                    trows = np.flatnonzero(hit[tcodes])
+                    breaches.append(_breach("group_spans_ood", None, None, ("in-domain rows", ts), hit, lvl,
+                                            np.flatnonzero(hit[lvl.codes[:n_rows]]),
+                                            extra={"group_level": name, "test_set_rows": trows[:MAX_EXAMPLE_ROWS].tolist(),
+                                                   "n_test_set_rows": int(trows.size)}))
+
     per_outcome = []
     seeds_by_rep: dict[Any, set] = {}
     test_ref: dict[Any, tuple[Any, np.ndarray]] = {}
@@ -501,6 +553,7 @@ def audit_sweep(
 
         overlaps: dict[str, int] = {}
         for name, lvl in levels.items():
+            found = coarse_found if name in coarser else breaches
             pres = {role: _presence(lvl.codes[rows[role]], lvl.n_groups) for role in ROLES}
             any_hit = np.zeros(lvl.n_groups, dtype=bool)
             for i in range(len(ROLES)):
@@ -510,7 +563,7 @@ def audit_sweep(
                     if hit.any():
                         both = np.concatenate([rows[a], rows[b]])
                         both = both[hit[lvl.codes[both]]]
-                        breaches.append(_breach(name, r_py, s_py, (a, b), hit, lvl, both))
+                        found.append(_breach(name, r_py, s_py, (a, b), hit, lvl, both))
                         any_hit |= hit
             # extra test sets against every in-domain role
             used = pres["train"] | pres["val"] | pres["in_domain"]
@@ -524,9 +577,9 @@ def audit_sweep(
                     in_rows = np.unique(in_rows[hit[lvl.codes[in_rows]]])
                     trows = np.flatnonzero(hit[tcodes])
                     roles_hit = [k for k in ROLES if (pres[k] & hit).any()]
-                    breaches.append(_breach(name, r_py, s_py, (*roles_hit, ts), hit, lvl, in_rows,
-                                            extra={"test_set_rows": trows[:MAX_EXAMPLE_ROWS].tolist(),
-                                                   "n_test_set_rows": int(trows.size)}))
+                    found.append(_breach(name, r_py, s_py, (*roles_hit, ts), hit, lvl, in_rows,
+                                         extra={"test_set_rows": trows[:MAX_EXAMPLE_ROWS].tolist(),
+                                                "n_test_set_rows": int(trows.size)}))
                     any_hit |= hit
             overlaps[name] = int(any_hit.sum())
 
@@ -627,13 +680,21 @@ def audit_sweep(
                          "ids": sorted({_py(v) for v in dup})[:MAX_EXAMPLE_IDS],
                          "n_rows": 0, "rows": []})
 
+    for name in coarser:  # rule 5: counted and shown, never hidden, never critical
+        mine = [b for b in coarse_found if b["level"] == name]
+        if mine:
+            examples = list(dict.fromkeys(i for b in mine for i in b["ids"]))[:MAX_EXAMPLE_IDS]
+            warnings.append(f"{name} overlaps across roles in {len(mine)} case(s) (coarser than the protected "
+                            f"level '{protected_level}', so a warning), e.g. {examples}; first: {_format_breach(mine[0])}")
     critical = sorted({b["level"] for b in breaches})
     report = {
         "schema_version": AUDIT_SCHEMA_VERSION,
         "passed": not breaches,
         "checks": checks,
         "levels": list(levels),
-        "protected_levels": list(groups),
+        "protected_levels": [g for g in groups if g not in coarser],
+        "protected_level": protected_level,
+        "coarser_overlaps": coarse_found,
         "n_rows": n_rows,
         "n_outcomes": len(outcomes),
         "replicates": sorted(seeds_by_rep, key=lambda x: (str(type(x)), x)),

@@ -721,6 +721,7 @@ def evaluate_sweep(
     fail_on_leakage: bool = True,
     content_audit: str = "critical",
     class_names: Sequence[Any] | None = None,
+    protected_level: str | None = None,
     _prepared=None,
 ) -> SweepEvaluation:
     """Build and audit the split plan, then fit and evaluate every probe.
@@ -745,6 +746,9 @@ def evaluate_sweep(
         When False the failing audits are recorded (``passed`` False) and the sweep runs.
     content_audit : ``"critical"`` (default) or ``"warning"`` (explicit, recorded relaxation).
     class_names : one unique name per class index (default the indices as strings).
+    protected_level : the level of ``groups`` the split protects (default: the coarsest of
+        patient > case > slide given); overlaps at coarser identity levels are warnings
+        (spec C.3 rule 5, :func:`cachescore.probe.audit.audit_sweep`).
     _prepared : internal; the ``(plan, features, labels, test sets)`` tuple of
         :func:`cachescore.probe.plan._prepare` when the caller already built the plan (used by
         :func:`cachescore.probe.bundle.run_encoder_evaluation` to hash before deciding to run).
@@ -782,7 +786,7 @@ def evaluate_sweep(
     plan_audit = audit_sweep(
         plan.jobs, n_rows=plan.n_rows, groups=groups, tile_ids=tile_ids, labels=lab,
         confounders=conf, test_set_sizes=plan.test_set_sizes, test_set_groups=test_set_groups,
-        test_set_confounders=test_set_confounders, raise_on_leakage=False,
+        test_set_confounders=test_set_confounders, raise_on_leakage=False, protected_level=protected_level,
     )
     content = audit_content(features, plan.jobs, test_sets={k: v[0] for k, v in named_tests.items()},
                             severity=content_audit)
@@ -817,7 +821,7 @@ def evaluate_sweep(
         params={
             "schedule": _jsonable_schedule(schedule), "rows_per_slide": int(rows_per_slide),
             "n_bins": int(n_bins), "test_sets": list(named_tests), "group_levels": list(groups),
-            "iterations": int(iterations), "seed": int(seed),
+            "protected_level": plan_audit["protected_level"], "iterations": int(iterations), "seed": int(seed),
             "validation_fraction": None if validation_fraction is None else float(validation_fraction),
             "arrange_slides": None if arrange_slides is None else getattr(
                 arrange_slides, "__qualname__", type(arrange_slides).__name__),
@@ -910,13 +914,14 @@ def evaluate_run(
     content_audit: str = "critical",
     class_names=None,
     parameters: Mapping[str, Any] | None = None,
+    protected_level: str | None = None,
 ) -> SweepEvaluation:
     """Audit and evaluate an already-computed ``SweepRun`` (kept predictions required).
 
     For outcomes built or altered by hand (the probes were fitted BEFORE this audit, so prefer
     :func:`evaluate_sweep`). Any critical finding raises LeakageError. ``plan_sha256`` is None;
     the content audit runs only when ``embeddings`` is given (otherwise the leakage record says
-    ``not_audited``).
+    ``not_audited``). ``protected_level`` as :func:`evaluate_sweep`.
     """
     from .plan import plan_sha256 as _hash
 
@@ -929,7 +934,7 @@ def evaluate_run(
     audit = audit_sweep(
         outcomes, n_rows=n_rows, groups=groups, tile_ids=tile_ids, labels=labels, confounders=conf,
         test_set_sizes=sizes, test_set_groups=test_set_groups,
-        test_set_confounders=test_set_confounders, raise_on_leakage=True,
+        test_set_confounders=test_set_confounders, raise_on_leakage=True, protected_level=protected_level,
     )
     content = None
     if embeddings is not None:
@@ -984,6 +989,7 @@ def evaluate_run(
         params={
             "schedule": _jsonable_schedule(schedule), "rows_per_slide": int(rows_per_slide),
             "n_bins": int(n_bins), "test_sets": list(test_sets), "group_levels": list(groups),
+            "protected_level": audit["protected_level"],
             "temperature_scaling": bool(temperature_scaling), "evaluated_after_fit": True,
             **dict(parameters or {}),
         },
