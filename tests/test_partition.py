@@ -96,3 +96,31 @@ def test_topk_tiles_equals_brute_force(dtype):
         topk_tiles(q, qg, t, ids, tg, k, sel_i, sel_d, rows=rows, tq=10, tt=33)
     np.testing.assert_array_equal(sel_i, want_i)
     np.testing.assert_array_equal(sel_d, want_d)
+
+
+def test_merge_of_a_tile_closer_than_every_current_neighbour_keeps_o_bk_candidates(monkeypatch):
+    """A tile whose entries all beat the rows' current k-th distance takes the tightened path
+    (each row's own k best of the tile, ties kept): same result as a brute-force merge, and the
+    candidate arrays handed to the sort are O(b k), not O(b w)."""
+    from cachescore.neighbors import ann
+
+    rng = np.random.default_rng(5)
+    b, w, k = 40, 500, 6
+    bi = np.tile(np.arange(10_000, 10_000 + k, dtype=np.int64), (b, 1))
+    bd = np.full((b, k), 1.5)  # every current neighbour is far
+    dist = (rng.integers(0, 40, (b, w)) / 64).astype(np.float32)  # < 1.5 everywhere, many ties
+    tids = rng.permutation(5000)[:w].astype(np.int64)
+    want_i, want_d = np.empty((b, k), np.int64), np.empty((b, k))
+    for r in range(b):
+        d = np.concatenate([bd[r], dist[r].astype(np.float64)])
+        i = np.concatenate([bi[r], tids])
+        o = np.lexsort((i, d))[:k]
+        want_i[r], want_d[r] = i[o], d[o]
+    sizes = []
+    real = ann._merge_keys
+    monkeypatch.setattr(ann, "_merge_keys", lambda bi_, bd_, nd, *a: (sizes.append(nd.size), real(bi_, bd_, nd, *a))[1])
+    ann._merge_tile(bi, bd, dist, tids, k)
+    np.testing.assert_array_equal(bi, want_i)
+    np.testing.assert_array_equal(bd, want_d)
+    assert sizes and sizes[0] <= ann._MERGE_CANDIDATES * b * k < b * w
+

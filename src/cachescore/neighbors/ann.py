@@ -577,6 +577,11 @@ class _Partition:
         return sel[sizes[sel] > 0]
 
 
+#: :func:`_merge_tile` tightens its per-row threshold when more than this many × k entries per
+#: row (on average) would pass it, bounding its candidate arrays by the tile's rows × k.
+_MERGE_CANDIDATES = 4
+
+
 def _merge_tile(bi, bd, dist, tids, k):
     """Merge a distance tile ``dist`` (b, w) (+inf = not eligible) over target rows ``tids`` (w,)
     into the running top-k ``bi`` / ``bd`` (b, k) by (dist, idx), in place. An entry farther than
@@ -588,7 +593,14 @@ def _merge_tile(bi, bd, dist, tids, k):
         thr = np.minimum(thr, np.partition(dist, k - 1, axis=1)[:, k - 1])
     np.minimum(thr, np.finfo(dist.dtype).max, out=thr)
     b, w = dist.shape
-    flat = np.flatnonzero(dist <= thr[:, None])
+    passing = dist <= thr[:, None]
+    if w > k and np.count_nonzero(passing) > _MERGE_CANDIDATES * b * k:
+        # a tile much closer than the rows' current k-th neighbours: keep each row's own k best
+        # (ties included) so the candidate arrays stay O(b k), not O(b w)
+        thr = np.minimum(thr, np.partition(dist, k - 1, axis=1)[:, k - 1])
+        passing = dist <= thr[:, None]
+    flat = np.flatnonzero(passing)
+    del passing
     if flat.size == 0:
         return
     r = flat // w
