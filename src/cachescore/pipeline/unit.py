@@ -376,8 +376,6 @@ def drive_large_unit(unit, client, run_id: str | None = None, retries: int = 0) 
     cancelled task) is retried ``retries`` times (completed scratch artefacts are reused), then
     recorded as the failure.
     """
-    from concurrent.futures import CancelledError
-
     from ..store import ResultsStore
 
     store = ResultsStore(unit.store_root)
@@ -389,7 +387,7 @@ def drive_large_unit(unit, client, run_id: str | None = None, retries: int = 0) 
             break
         except DATA_ERRORS as exc:
             return _record_failure(store, unit, exc, run_id=run_id, started=t0)
-        except (Exception, CancelledError) as exc:  # noqa: BLE001 - recorded, the other units go on
+        except Exception as exc:  # noqa: BLE001 - recorded, the other units go on (a cancelled task too)
             if attempt == retries:
                 return _record_failure(store, unit, exc, run_id=run_id, started=t0)
     return _write_result(store, unit, record, per_unit, started=t0, loaded=t0, caught=caught, run_id=run_id)
