@@ -298,22 +298,22 @@ class _Layout:
         plan, total = [], 0
         for j in range(len(self.paths)):
             b = self.bounds[j]
-            runs = [(int(b[c]), int(b[c + 1])) for c in clusters if b[c + 1] > b[c]]
-            if runs:
-                plan.append((j, runs))
+            present = clusters[b[clusters + 1] > b[clusters]]
+            if present.size:
+                runs = [(int(b[c]), int(b[c + 1])) for c in present]
+                plan.append((j, runs, present))
                 total += sum(e - a for a, e in runs)
         vecs = np.empty((total, self.dim), dtype=np.dtype(self.dtype))
         meta = np.empty((total, len(INDEX_COLUMNS)), dtype=np.int64)
         at = 0
-        for j, runs in plan:
+        for j, runs, _ in plan:
             r = sum(e - a for a, e in runs)
             _read_row_runs(self.paths[j], runs, self.dim, np.dtype(self.dtype), self.header[j], out=vecs[at : at + r])
             _read_row_runs(self.meta_paths[j], runs, len(INDEX_COLUMNS), np.dtype(np.int64), self.meta_header[j],
                            out=meta[at : at + r])
             at += r
-        cl = np.concatenate([np.zeros(0, np.int64)] + [
-            np.repeat(clusters[self.bounds[j][clusters + 1] > self.bounds[j][clusters]],
-                      [e - a for a, e in runs]) for j, runs in plan])
+        cl = np.concatenate([np.zeros(0, np.int64)] + [np.repeat(present, [e - a for a, e in runs])
+                                                       for _, runs, present in plan])
         return vecs, meta, cl
 
     def read_chunk(self, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
