@@ -1,4 +1,4 @@
-"""cachescore.cache.verify_cache / Cache.verify: a whole-cache health check that never stops early.
+"""cachescore.cache.verify_cache: a whole-cache health check that never stops early.
 
 Pins: a healthy cache gives no problem; a cache broken in many places at once gives one structured
 problem per fault (kind, encoder, tileset, view, file, shard row range, offending tileset rows),
@@ -33,10 +33,10 @@ def build(root, tmp_path, n=30, encoders=("e1", "e2", "e3")):
 
 def test_healthy_cache_has_no_problem(tmp_path):
     cache, _ = build(tmp_path / "c", tmp_path)
-    assert verify_cache(tmp_path / "c") == [] and cache.verify() == []
+    assert verify_cache(tmp_path / "c") == []
     (cache.root / "embeddings" / "e1" / ".t.123-abc.partial").mkdir()  # a live writer's staging folder
     (cache.root / "views" / ".v_new.parquet.1-x.partial").write_bytes(b"partial")
-    assert cache.verify() == []
+    assert verify_cache(cache) == []
     problems = verify_cache(tmp_path / "missing")
     assert [p.kind for p in problems] == ["cache_missing"] and "cache folder not found" in problems[0].message
 
@@ -71,7 +71,7 @@ def test_every_fault_is_reported_with_its_place(tmp_path):
     side = json.loads((root / "views" / "v_bad.json").read_text())
     (root / "views" / "v_bad.json").write_text(json.dumps(dict(side, tileset="nope")))
 
-    problems = Cache(root).verify()
+    problems = verify_cache(Cache(root))
     got = [(p.kind, p.encoder, p.tileset, p.view) for p in problems]
     assert got == [
         ("tileset", None, "dup", None),

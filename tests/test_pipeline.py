@@ -126,14 +126,14 @@ def test_plan_rejects_unknown_encoder(tmp_path, demo_cache):
 
 def test_code_version_enters_fingerprints(tmp_path, demo_cache, monkeypatch):
     from cachescore import __version__
-    from cachescore.pipeline.plan import _source_code_version, code_version
+    from cachescore.fingerprint import code_version, source_digest, CODE_SOURCES
 
     pinned = [u.fingerprint for u in plan_job(make_job(tmp_path, demo_cache)).pending]
     monkeypatch.setenv("CACHESCORE_CODE_VERSION", "other")
     assert code_version() == "other"
     assert not set(pinned) & {u.fingerprint for u in plan_job(make_job(tmp_path, demo_cache)).pending}
     monkeypatch.delenv("CACHESCORE_CODE_VERSION")
-    assert code_version() == _source_code_version()
+    assert code_version().endswith("+" + source_digest(CODE_SOURCES["score"])[:12])
     assert re.fullmatch(re.escape(__version__) + r"\+[0-9a-f]{12}", code_version())
 
 

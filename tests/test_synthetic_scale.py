@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from cachescore.cache import Cache
+from cachescore.cache import Cache, verify_cache
 from cachescore.cache.synthetic import SCALE_TILESET, make_scale_cache
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,7 +48,7 @@ def test_layout_and_validity(small):
     assert c.encoders() == ["a", "b"] and c.tilesets() == [SCALE_TILESET]
     assert c.views() == ["paired_2x2", "scale_all"]
     assert c.view_spec("scale_all").design == "all" and c.view_spec("paired_2x2").design == "paired_2x2"
-    assert c.verify() == []
+    assert verify_cache(c) == []
     x = c.embeddings("a", SCALE_TILESET)
     assert x.shape == (3000, 16) and x.dtype == np.float32
     tiles = pd.read_parquet(small / "tilesets" / SCALE_TILESET / "tiles.parquet")
@@ -75,7 +75,7 @@ def test_dtypes(tmp_path, dtype):
     root = make_scale_cache(tmp_path / "c", rows=500, dim=8, dtype=dtype, chunk_rows=128)
     x = Cache(root).embeddings("enc0", SCALE_TILESET)
     assert x.dtype == np.dtype(dtype) and x.shape == (500, 8)
-    assert Cache(root).verify() == []
+    assert verify_cache(Cache(root)) == []
 
 
 def test_same_arguments_same_bytes(small, tmp_path):

@@ -6,7 +6,7 @@ The metric API mirrors croma 1.0.1 (``RI``, ``MaRI``, ``CRoMa``, ``expand_featur
 ``cachescore.probe``; croma's downstream namespace in ``cachescore.downstream``.
 """
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 from .alignment import expand_features_to_manifest
 from .downstream import apd, nipd, probe_sweep

@@ -9,7 +9,7 @@ Commands are thin: parse, call the library, format, return an exit code.
 * ``cachescore status JOB [--verify]`` – per unit (probe units: per APD/nIPD record): ``done``,
   ``failed`` (with its error), ``stale`` (a result exists for the same encoder/view/design/metric/
   params but older inputs or code; what changed is named) or ``missing`` (why it is new).
-  ``--verify`` adds the cache health check (:meth:`cachescore.cache.Cache.verify`); exit 1 when it
+  ``--verify`` adds the cache health check (:func:`cachescore.cache.verify_cache`); exit 1 when it
   finds problems.
 * ``cachescore watch JOB [--interval S] [--max-runs N]`` – poll the cache and run the job whenever
   there is new work (:func:`cachescore.pipeline.watch.watch_job`); exit 1 if a unit failed.
@@ -194,9 +194,9 @@ def _cmd_status(args) -> int:
     print(", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
     if not args.verify:
         return 0
-    from .cache import Cache
+    from .cache import Cache, verify_cache
 
-    problems = Cache(job.cache).verify()
+    problems = verify_cache(Cache(job.cache))
     if not problems:
         print(f"cache {job.cache}: healthy (verify found no problem)")
         return 0

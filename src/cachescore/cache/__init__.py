@@ -7,7 +7,7 @@ See ``docs/cache-layout.md``. Public names:
 * :func:`write_tileset`, :func:`write_embeddings`, :func:`write_view` – atomic writers;
 * :func:`import_cache` – build a cache from per-encoder or per-slide arrays;
 * :func:`make_demo_cache` – a small cache with a known confounder ranking;
-* :func:`verify_cache` / :meth:`Cache.verify` – a whole-cache health check returning every :class:`Problem`;
+* :func:`verify_cache` – a whole-cache health check returning every :class:`Problem`;
 * the :mod:`~cachescore.cache.errors` hierarchy rooted at :class:`CacheError` (a ``ValueError``).
 """
 

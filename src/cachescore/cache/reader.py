@@ -15,10 +15,12 @@ from pathlib import Path
 
 import numpy as np
 
-from .._finite import nonfinite_rows
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from .._finite import nonfinite_rows
+from .._hashing import sha256_file
 
 from .errors import (
     AlignmentError,
@@ -26,7 +28,6 @@ from .errors import (
     LayoutError,
     NonFiniteError,
     ShardError,
-    ShardNotFoundError,
     ViewChecksumError,
     ViewError,
 )
@@ -42,58 +43,14 @@ from .layout import (
     view_sidecar_path,
     view_table_path,
 )
+from .shards import gather_rows, open_shard, read_shard_rows
 from .writer import VIEW_REQUIRED, _rows, blank_rows, default_shard_rows, normalize_ids, sample_ids_digest
 
-__all__ = ["Cache", "read_shard_rows", "gather_rows"]
+__all__ = ["Cache"]
 
-_HASH_BLOCK = 8 << 20
 #: Per-process memo of successful full validations: key -> stat signature of every file involved.
 _VALIDATED: dict[tuple, tuple] = {}
 _VALIDATED_MAX = 256
-
-
-def _open_shard(path: str, n_rows: int, dim: int, dtype: np.dtype, label: str) -> np.ndarray:
-    """Memmap one shard and check its header against ``meta.json``; errors name the shard."""
-    try:
-        mm = np.load(path, mmap_mode="r", allow_pickle=False)
-    except FileNotFoundError:
-        raise ShardNotFoundError(f"{label}: shard file missing: {path}") from None
-    except (ValueError, OSError, EOFError) as exc:
-        raise ShardError(f"{label}: shard {path} is corrupt or truncated: {exc}") from exc
-    if mm.dtype != dtype:
-        raise ShardError(f"{label}: shard {path} has dtype {mm.dtype}, meta.json says {dtype}")
-    if mm.shape != (n_rows, dim):
-        raise ShardError(f"{label}: shard {path} has shape {mm.shape}, meta.json says {(n_rows, dim)}")
-    return mm
-
-
-def read_shard_rows(path: str, shard_rows: int, dim: int, dtype: str, start: int, stop: int, label: str) -> np.ndarray:
-    """Task body: rows ``start:stop`` (shard-local) of one shard, as an owned in-memory array."""
-    mm = _open_shard(path, shard_rows, dim, np.dtype(dtype), label)
-    return np.array(mm[start:stop], copy=True)
-
-
-def gather_rows(paths: tuple[str, ...], offsets: np.ndarray, dim: int, dtype: str, rows: np.ndarray, label: str) -> np.ndarray:
-    """Task body: the tileset rows ``rows`` (any order, repeats allowed) gathered from the shards.
-
-    ``offsets`` has ``len(paths) + 1`` entries; shard ``s`` holds rows ``offsets[s]:offsets[s+1]``.
-    Each touched shard is memmapped once and read with one fancy index.
-    """
-    rows = np.asarray(rows, dtype=np.int64)
-    offsets = np.asarray(offsets, dtype=np.int64)
-    out = np.empty((rows.shape[0], dim), dtype=np.dtype(dtype))
-    if rows.size == 0:
-        return out
-    if rows.min() < 0 or rows.max() >= offsets[-1]:
-        raise IndexError(f"{label}: row index out of range [0, {int(offsets[-1])})")
-    which = np.searchsorted(offsets, rows, side="right") - 1
-    for s in np.unique(which):
-        sel = np.flatnonzero(which == s)
-        mm = _open_shard(paths[s], int(offsets[s + 1] - offsets[s]), dim, np.dtype(dtype), label)
-        local = rows[sel] - offsets[s]
-        order = np.argsort(local, kind="stable")  # sorted reads are kinder to the page cache
-        out[sel[order]] = mm[local[order]]
-    return out
 
 
 #: Attempts, and the pause before each retry (seconds, times the attempt number), to read a view's
@@ -108,14 +65,6 @@ def _view_mismatch(view: str, table: Path, sidecar: Path, attempts: int) -> View
         f"(checked {attempts} times): the view is being replaced right now, or one of its files was "
         "changed outside write_view; retry, or rewrite the view with write_view"
     )
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(_HASH_BLOCK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _dask_array(name: str, tasks: list, chunks: tuple, dtype: np.dtype):
@@ -402,7 +351,7 @@ class Cache:
         if rows is None:
             out = np.empty(meta.shape, dtype=meta.dtype)
             for shard, path in zip(meta.shards, paths):
-                out[shard.start : shard.stop] = _open_shard(path, shard.rows, meta.dim, meta.dtype, label)
+                out[shard.start : shard.stop] = open_shard(path, shard.rows, meta.dim, meta.dtype, label)
             return out
         rows = np.asarray(rows)
         if rows.ndim != 1 or not (np.issubdtype(rows.dtype, np.integer) or rows.size == 0):
@@ -431,7 +380,7 @@ class Cache:
             spec = self.view_spec(view)
             if not table.is_file():
                 raise CacheNotFoundError(f"view {view!r} table not found: {table}")
-            table_digest = _sha256_file(table)
+            table_digest = sha256_file(table)
             if spec.table_sha256 is None or table_digest == spec.table_sha256:
                 break
             if attempt < VIEW_READ_ATTEMPTS:
@@ -442,11 +391,11 @@ class Cache:
         if not tiles.is_file():
             raise CacheNotFoundError(f"view {view!r}: tileset {spec.tileset!r} not found: {tiles}")
         if tiles_digests is None:
-            tiles_digest = _sha256_file(tiles)
+            tiles_digest = sha256_file(tiles)
         else:
             tiles_digest = tiles_digests.get(str(tiles))
             if tiles_digest is None:
-                tiles_digest = tiles_digests[str(tiles)] = _sha256_file(tiles)
+                tiles_digest = tiles_digests[str(tiles)] = sha256_file(tiles)
         payload = {"view": table_digest, "tiles": tiles_digest,
                    "sidecar": {"tileset": spec.tileset, "confounder_column": spec.confounder_column, "design": spec.design}}
         return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
@@ -490,8 +439,8 @@ class Cache:
             raise AlignmentError(f"{label}: {tiles_path(self.root, tileset)} sample_id order differs from the one "
                                  "these embeddings were written for; rows are no longer aligned (re-import them)")
         for shard, path in zip(meta.shards, self._paths(meta)):
-            mm = _open_shard(path, shard.rows, meta.dim, meta.dtype, label)
-            if checksums and _sha256_file(Path(path)) != shard.sha256:
+            mm = open_shard(path, shard.rows, meta.dim, meta.dtype, label)
+            if checksums and sha256_file(Path(path)) != shard.sha256:
                 raise ShardError(f"{label}: shard {path} (rows {shard.start}:{shard.stop}) does not match its sha256 in meta.json")
             if finite and shard.rows:
                 bad = nonfinite_rows(mm)
@@ -503,13 +452,6 @@ class Cache:
                 _VALIDATED.pop(next(iter(_VALIDATED)))
             _VALIDATED[key] = signature
         return meta
-
-    def verify(self, *, checksums: bool = True, finite: bool = True) -> list:
-        """Check the whole cache and return every problem found (an empty list when healthy); see
-        :func:`cachescore.cache.verify.verify_cache`. Never raises for a data problem."""
-        from .verify import verify_cache
-
-        return verify_cache(self, checksums=checksums, finite=finite)
 
     def info(self) -> dict:
         """Cache-level ``cache.json`` content ({} when absent)."""

@@ -26,8 +26,9 @@ from typing import Sequence
 
 import numpy as np
 import pandas as pd
-from threadpoolctl import threadpool_limits
 
+
+from .._threads import single_thread_blas
 from ..store.atomic import atomic_write_json
 from .writer import write_embeddings, write_embeddings_blocks, write_tileset, write_view
 
@@ -346,7 +347,7 @@ def make_scale_cache(
         raise FileExistsError(f"{root} already holds a cache; pass overwrite=True to replace it")
 
     # many small BLAS calls: one thread avoids oversubscription (measured 4x faster on 2 busy cores)
-    with threadpool_limits(limits=1):
+    with single_thread_blas():
         return _write_scale_cache(root, names=names, scales=scales, dtype=dtype, rows=int(rows), dim=int(dim),
                                   n_labels=int(n_labels), n_confounders=int(n_confounders),
                                   slide_min=int(slide_min), slide_max=int(slide_max),

@@ -18,8 +18,11 @@ from pathlib import Path
 import numpy as np
 
 from .._finite import nonfinite_rows
+from .._hashing import sha256_file
 
 from .errors import CacheError, ShardNotFoundError, ViewChecksumError
+from .reader import Cache
+from .shards import open_shard
 from .layout import check_name, embeddings_dir, meta_path, parse_meta, tiles_path, view_sidecar_path, view_table_path
 from .writer import _rows, sample_ids_digest
 
@@ -81,12 +84,6 @@ class Problem:
         return out
 
 
-def _sha256(path: Path) -> str:
-    from .reader import _sha256_file
-
-    return _sha256_file(path)
-
-
 def _visible_dirs(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")) if folder.is_dir() else []
 
@@ -112,8 +109,6 @@ def _check_tilesets(cache, problems: list) -> dict[str, np.ndarray | None]:
 
 def _check_embeddings(cache, encoder: str, tileset: str, tileset_ids: dict, problems: list, *,
                       checksums: bool, finite: bool) -> None:
-    from .reader import _open_shard
-
     label = f"encoder {encoder!r}, tileset {tileset!r}"
     folder = embeddings_dir(cache.root, encoder, tileset)
     mpath = meta_path(cache.root, encoder, tileset)
@@ -147,14 +142,14 @@ def _check_embeddings(cache, encoder: str, tileset: str, tileset_ids: dict, prob
         rng = (shard.start, shard.stop)
         at = dict(file=str(path), row_range=rng, **where)
         try:
-            mm = _open_shard(str(path), shard.rows, meta.dim, meta.dtype, label)
+            mm = open_shard(str(path), shard.rows, meta.dim, meta.dtype, label)
         except ShardNotFoundError as exc:
             problems.append(Problem(kind="shard_missing", message=str(exc), **at))
             continue
         except CacheError as exc:
             problems.append(Problem(kind="shard_corrupt", message=str(exc), **at))
             continue
-        if checksums and _sha256(path) != shard.sha256:
+        if checksums and sha256_file(path) != shard.sha256:
             problems.append(Problem(kind="checksum", **at,
                                     message=f"{label}: shard {path} (rows {shard.start}:{shard.stop}) does not match "
                                             "its sha256 in meta.json"))
@@ -209,8 +204,6 @@ def verify_cache(root, *, checksums: bool = True, finite: bool = True) -> list[P
     Returns an empty list for a healthy cache. Reads every shard once for the checksum and once for
     finiteness (the second read comes from the page cache); memory is bounded by a 64 MiB block.
     """
-    from .reader import Cache
-
     cache = root if isinstance(root, Cache) else Cache(root)
     problems: list[Problem] = []
     if not cache.root.is_dir():

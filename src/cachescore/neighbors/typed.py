@@ -58,14 +58,14 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
-from threadpoolctl import ThreadpoolController
+
+from .._threads import shared_blas_pin
 
 __all__ = [
     "COUNT_BLOCK_ROWS",
@@ -172,43 +172,16 @@ def search_threads(threads=None) -> int:
         return max(1, os.cpu_count() or 1)
 
 
-_PIN_LOCK = threading.Lock()
-_PIN = {"depth": 0, "limits": None, "controller": None}
-
 #: Below this many multiply-adds (about n²·d/2 for a scope) a kernel runs its tiles on the calling
 #: thread: starting a pool costs more than it saves (results are the same either way).
 PARALLEL_MIN_WORK = 50_000_000
 
 
 @contextmanager
-def _blas_pinned() -> Iterator[None]:
-    """BLAS limited to one thread while any caller (in any thread) is inside this context.
-
-    threadpoolctl's limits are process-wide: concurrent kernels (e.g. several tasks of an
-    in-process Dask cluster) share one pin, taken by the first to enter and restored to the
-    original limits by the last to leave, so no kernel ever runs under a restored multithreaded
-    BLAS and the process never stays pinned afterwards."""
-    with _PIN_LOCK:
-        if _PIN["depth"] == 0:
-            if _PIN["controller"] is None:  # scanning the loaded libraries costs ~1 ms: once
-                _PIN["controller"] = ThreadpoolController()
-            _PIN["limits"] = _PIN["controller"].limit(limits=1, user_api="blas")
-        _PIN["depth"] += 1
-    try:
-        yield
-    finally:
-        with _PIN_LOCK:
-            _PIN["depth"] -= 1
-            if _PIN["depth"] == 0:
-                _PIN["limits"].restore_original_limits()
-                _PIN["limits"] = None
-
-
-@contextmanager
 def _parallel(threads, work=None) -> Iterator[Callable]:
     """Context yielding ``run(fn, tasks) -> [fn(t) for t in tasks]`` (results in task order),
     executed on ``search_threads(threads)`` Python threads with BLAS pinned to one thread for the
-    whole context (:func:`_blas_pinned`).
+    whole context (:func:`shared_blas_pin`).
 
     numpy's GEMMs, comparisons, reductions, copies and partitions release the GIL, so the tiles
     run truly in parallel. BLAS is pinned to one thread whatever the thread count: every tile's
@@ -231,7 +204,7 @@ def _parallel(threads, work=None) -> Iterator[Callable]:
             pool.append(ThreadPoolExecutor(max_workers=t, thread_name_prefix="cachescore-typed"))
         return list(pool[0].map(fn, tasks))
 
-    with _blas_pinned():
+    with shared_blas_pin():
         try:
             yield run
         finally:

@@ -27,8 +27,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
-from threadpoolctl import threadpool_limits
 
+
+from .._threads import single_thread_blas
 from ..neighbors.typed import (
     COUNT_BLOCK_ROWS,
     DEFAULT_BLOCK_ROWS,
@@ -60,19 +61,19 @@ SEARCH_KINDS = {
 
 
 def _typed_task(us, gs, layout, block, m):
-    with threadpool_limits(limits=1):
+    with single_thread_blas():
         return typed_block(us, gs, layout, block, m)
 
 
 def _count_task(us, gs, floor, qs, block_rows):
-    with threadpool_limits(limits=1):
+    with single_thread_blas():
         return count_block(us, gs, floor, qs, block_rows)
 
 
 def _cross_group_task(u, groups, kmax, r0, r1, kwargs):
     from ..neighbors.exact import cross_group_knn
 
-    with threadpool_limits(limits=1):
+    with single_thread_blas():
         return r0, cross_group_knn(u, groups, kmax, rows=slice(r0, r1), **kwargs)
 
 

@@ -16,16 +16,9 @@ from collections.abc import Iterator
 from distributed import Client, LocalCluster
 from distributed.diagnostics.plugin import WorkerPlugin
 
+from .._threads import THREAD_ENV, single_thread_blas
+
 __all__ = ["SingleThreadBLAS", "open_client", "THREAD_ENV"]
-
-#: Environment given to LocalCluster worker processes (read by BLAS/OpenMP/numba at import).
-THREAD_ENV = {
-    "OMP_NUM_THREADS": "1",
-    "OPENBLAS_NUM_THREADS": "1",
-    "MKL_NUM_THREADS": "1",
-    "NUMBA_NUM_THREADS": "1",
-}
-
 
 class SingleThreadBLAS(WorkerPlugin):
     """Worker plugin: one BLAS/OpenMP thread per worker process, one numba thread.
@@ -48,9 +41,7 @@ class SingleThreadBLAS(WorkerPlugin):
         for k, v in THREAD_ENV.items():
             os.environ.setdefault(k, v)
         os.environ.setdefault("NUMBA_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "cachescore-numba"))
-        from threadpoolctl import threadpool_limits
-
-        self._limits = threadpool_limits(limits=1)
+        self._limits = single_thread_blas()
         import sys
 
         if "numba" in sys.modules:  # only if already loaded: importing numba here costs seconds

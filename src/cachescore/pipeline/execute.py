@@ -25,6 +25,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TextIO
 
+from .._version import package_versions
 from .plan import Plan, code_version, plan_job
 from .unit import run_unit
 
@@ -51,6 +52,11 @@ class RunSummary:
     @property
     def ok(self) -> bool:
         return not self.failures
+
+
+#: Distributions whose versions a run's provenance records.
+_PROVENANCE_DISTRIBUTIONS = ("cachescore", "numpy", "pandas", "scipy", "scikit-learn", "dask", "distributed",
+                             "pyarrow", "pynndescent", "numba", "threadpoolctl", "croma")
 
 
 def new_run_id() -> str:
@@ -203,19 +209,6 @@ def ensure_demo_cache(job, out: TextIO | None = sys.stderr) -> bool:
     return True
 
 
-def _versions() -> dict:
-    from importlib import metadata
-
-    out = {"python": platform.python_version()}
-    for dist in ("cachescore", "numpy", "pandas", "scipy", "scikit-learn", "dask", "distributed", "pyarrow",
-                 "pynndescent", "numba", "threadpoolctl", "croma"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[dist] = None
-    return out
-
-
 def _hardware(client=None) -> dict:
     info = {"platform": platform.platform(), "machine": platform.machine(), "client_cpus": os.cpu_count()}
     try:
@@ -273,7 +266,7 @@ def run_job(job, *, scheduler: str | None = None, out: TextIO | None = sys.stder
             "cache": str(job.cache),
             "store": str(job.store),
             "code_version": code_version(),
-            "versions": _versions(),
+            "versions": package_versions(_PROVENANCE_DISTRIBUTIONS, python=True),
             "hardware": hardware or _hardware(),
             "input_fingerprints": plan.inputs,
             "units": {"planned": n_all, "executed": summary.executed, "skipped": summary.skipped,

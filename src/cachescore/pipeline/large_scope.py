@@ -51,6 +51,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .._threads import single_thread_blas
 from ..neighbors.ann import RecallTargetError, _calibrate, _merge, _recall_counts, distance_tol
 from ..neighbors.normalize import compute_dtype
 from ..neighbors.partition import (
@@ -237,12 +238,6 @@ def _read_scope_rows(cache_root, encoder, tileset, tile_rows, positions, source)
     return normalize_rows(x)
 
 
-def _pinned():
-    from threadpoolctl import threadpool_limits
-
-    return threadpool_limits(limits=1)
-
-
 # ----------------------------------------------------------------------------- worker tasks
 #
 # Every task's arguments are O(chunks × clusters) at most (file paths, per-chunk cluster bounds, a
@@ -250,7 +245,7 @@ def _pinned():
 
 
 def _sample_task(files: _ScopeFiles, positions: np.ndarray, tile_rows: np.ndarray) -> np.ndarray:
-    with _pinned():
+    with single_thread_blas():
         return _read_scope_rows(files.cache_root, files.encoder, files.tileset, tile_rows, positions, files.source)
 
 
@@ -258,7 +253,7 @@ def _chunk_task(files: _ScopeFiles, start: int, stop: int, centroids: np.ndarray
     """Read, check, normalise and assign scope positions ``start:stop``; write them sorted by
     cluster to ``path`` and their metadata ((r, 4) int64: scope position, group, label, confounder)
     to ``meta_path`` in the same order. Returns ``(positions in file order (int64), cluster bounds (C+1,))``."""
-    with _pinned():
+    with single_thread_blas():
         index = files.index(start, stop)
         pos = np.arange(start, stop, dtype=np.int64)
         u = _read_scope_rows(files.cache_root, files.encoder, files.tileset, index[:, 0], pos, files.source)
@@ -329,7 +324,7 @@ class _Layout:
 def _brute_task(layout: _Layout, j: int, qv: np.ndarray, q_codes: np.ndarray, kinds: tuple, k: int) -> dict:
     """Exact top-k of each kind for the sample queries (vectors ``qv``, codes ``q_codes`` (q, 3):
     group, label, confounder) over chunk ``j`` (all its rows)."""
-    with _pinned():
+    with single_thread_blas():
         q = q_codes.shape[0]
         out = {kind: (np.full((q, k), -1, np.int64), np.full((q, k), np.inf)) for kind in kinds}
         _Targets(layout.n_conf, *layout.read_chunk(j)).search(qv, tuple(q_codes.T), np.arange(q), k, out, None)
@@ -344,7 +339,7 @@ def _search_task(layout: _Layout, batch: dict, kinds: tuple, k: int, path: str) 
     confounder``). Targets are read in pieces of at most :data:`PIECE_ROWS` rows (whole clusters)
     and searched by :meth:`_Targets.search`.
     """
-    with _pinned():
+    with single_thread_blas():
         q_clusters = sorted(batch)
         qv, qmeta, qcl = layout.read_clusters(q_clusters)
         q_codes = (qmeta[:, 1], qmeta[:, 2], qmeta[:, 3])

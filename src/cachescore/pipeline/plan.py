@@ -9,9 +9,9 @@ Its fingerprint is the sha256 of canonical JSON over
 * the parameters: metric parameters, design, confounder column and the *resolved* neighbour
   backend (``auto`` is decided here from the largest scope's n²·d, so changing the threshold
   only invalidates units whose backend actually changes);
-* the code version: ``cachescore.__version__`` plus a digest of the scoring sources
-  (``metrics/``, ``neighbors/``, ``pipeline/unit.py``), so edited scoring code never reuses
-  stale numbers (``CACHESCORE_CODE_VERSION`` pins it, see :func:`code_version`).
+* the code version: ``cachescore.__version__`` plus a path-independent digest of the scoring
+  sources (:func:`cachescore.fingerprint.code_version`), so edited scoring code never reuses stale
+  numbers (``CACHESCORE_CODE_VERSION`` pins it).
 
 A unit whose fingerprint the store already holds is *done* and is not executed. A unit that cannot
 even be planned (missing embeddings for the view's tileset, an unreadable view) is *invalid*: it
@@ -20,60 +20,17 @@ is recorded as a failure with its error, the rest of the job goes on.
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import json
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import numpy as np
 
+from .._jsonsafe import json_default
+from ..fingerprint import code_version, fingerprint
 from ..jobs.schema import Job
 
 __all__ = ["WorkUnit", "InvalidUnit", "Plan", "plan_job", "code_version", "resolve_backend", "unit_fingerprint"]
 
-#: Source folders/files (relative to the package) whose content is part of the code version.
-_SCORING_SOURCES = ("metrics", "neighbors", "pipeline/unit.py", "pipeline/large_scope.py", "_finite.py", "types.py")
-
-
-#: Environment variable that pins the code version (see :func:`code_version`).
-CODE_VERSION_ENV = "CACHESCORE_CODE_VERSION"
-
-
-def code_version() -> str:
-    """The code version that enters every fingerprint.
-
-    ``"<cachescore version>+<12 hex of the sha256 of the scoring sources>"``, so that editing the
-    scoring code invalidates stored results. Setting ``CACHESCORE_CODE_VERSION`` pins it instead
-    (a deployment that vouches for equal numbers across a patch, or tests that must not see other
-    people's concurrent edits); results are then reused across code changes.
-    """
-    pinned = os.environ.get(CODE_VERSION_ENV, "").strip()
-    return pinned if pinned else _source_code_version()
-
-
-@functools.lru_cache(maxsize=1)
-def _source_code_version() -> str:
-    from .. import __version__
-
-    pkg = Path(__file__).resolve().parent.parent
-    h = hashlib.sha256()
-    for rel in _SCORING_SOURCES:
-        p = pkg / rel
-        files = sorted(p.rglob("*.py")) if p.is_dir() else [p]
-        for f in files:
-            if f.is_file():
-                h.update(f.relative_to(pkg).as_posix().encode())
-                h.update(b"\0")
-                h.update(f.read_bytes())
-                h.update(b"\0")
-    return f"{__version__}+{h.hexdigest()[:12]}"
-
-
 def _fingerprint(obj) -> str:
-    from ..store import fingerprint
-
     return fingerprint(obj)
 
 
@@ -345,11 +302,11 @@ def _plan_probe_units(job, cache, store, encoders, views, code, pending, done, i
     input fingerprints come from ``fps`` (the plan's :class:`_InputFingerprints`), so a view is
     hashed once per plan, not once per encoder.
     """
-    from .probe_unit import probe_code_version, probe_unit_done, probe_unit_fingerprint
+    from .probe_unit import probe_unit_done, probe_unit_fingerprint
 
     fps = _InputFingerprints(cache) if fps is None else fps
 
-    probe_code = os.environ.get(CODE_VERSION_ENV, "").strip() or probe_code_version()
+    probe_code = code_version("probe")
     params = job.probe.to_dict()
     probe_views = list(job.probe_views) or list(views)
     missing = [v for v in probe_views if v not in cache.views()]
@@ -374,12 +331,6 @@ def _plan_probe_units(job, cache, store, encoders, views, code, pending, done, i
             (done if probe_unit_done(store, fp, job.probe) else pending).append(unit)
 
 
-def _json_default(o):
-    if isinstance(o, np.generic):
-        return o.item()
-    raise TypeError(type(o).__name__)
-
-
 def params_json(params: dict) -> str:
     """Canonical JSON of a parameter dict (sorted keys, compact), as stored in the scores table."""
-    return json.dumps(params, sort_keys=True, separators=(",", ":"), default=_json_default)
+    return json.dumps(params, sort_keys=True, separators=(",", ":"), default=json_default)

@@ -22,7 +22,7 @@ Three layers, each usable alone:
 
 Fingerprints (:func:`probe_unit_fingerprint`) are the sha256 of canonical JSON over the input
 fingerprints (embeddings of (encoder, tileset), the view), the normalised parameters and the
-code version (:func:`probe_code_version`: the package version plus a digest of ``probe/`` and
+code version (:func:`cachescore.fingerprint.code_version` ``("probe")``: the package version plus a digest of ``probe/`` and
 this file). The sweep's result does not depend on the number of workers, so the client is not
 part of it. Record fingerprints are derived from the unit fingerprint
 (:func:`probe_record_fingerprint`), so a planner can tell with :func:`probe_unit_done` whether a
@@ -31,8 +31,6 @@ unit is complete in the store without running anything.
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -43,6 +41,12 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from .._version import package_versions
+from ..fingerprint import code_version as current_code_version
+
+#: Distributions whose versions a probe record stores.
+_RECORD_DISTRIBUTIONS = ("cachescore", "numpy", "scikit-learn", "scipy", "pandas", "dask", "distributed", "pyarrow")
+
 __all__ = [
     "PROBE_KEYS",
     "PROBE_METRICS",
@@ -52,7 +56,6 @@ __all__ = [
     "ProbeSelection",
     "RowFilter",
     "prepare_probe_inputs",
-    "probe_code_version",
     "probe_record_fingerprint",
     "probe_record_keys",
     "probe_unit_done",
@@ -658,23 +661,6 @@ def prepare_probe_inputs(view_frame: pd.DataFrame, embeddings, params: ProbePara
 # fingerprints
 
 
-_CODE_SOURCES = ("probe", "pipeline/probe_unit.py")
-
-
-@functools.lru_cache(maxsize=1)
-def probe_code_version() -> str:
-    """``"<cachescore version>+<12 hex>"``: the digest covers ``probe/*.py`` and this file."""
-    from .. import __version__
-
-    pkg = Path(__file__).resolve().parent.parent
-    h = hashlib.sha256()
-    for rel in _CODE_SOURCES:
-        path = pkg / rel
-        for f in (sorted(path.rglob("*.py")) if path.is_dir() else [path]):
-            h.update(f.relative_to(pkg).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
-    return f"{__version__}+{h.hexdigest()[:12]}"
-
-
 def _cache(cache):
     from ..cache import Cache
 
@@ -696,7 +682,7 @@ def _unit_identity(cache, encoder: str, view: str, params: ProbeParams, code_ver
         "tileset": spec.tileset,
         "params": params.to_dict(),
         "inputs": inputs,
-        "code": probe_code_version() if code_version is None else str(code_version),
+        "code": current_code_version("probe") if code_version is None else str(code_version),
     }
 
 
@@ -704,7 +690,7 @@ def probe_unit_fingerprint(cache, encoder: str, view: str, params: ProbeParams |
                            code_version: str | None = None, *, inputs: Mapping | None = None) -> str:
     """sha256 hex of the unit's canonical identity: encoder, view, tileset, normalised params,
     input fingerprints (``Cache.embedding_fingerprint`` of (encoder, the view's tileset),
-    ``Cache.view_fingerprint``) and the code version (default :func:`probe_code_version`).
+    ``Cache.view_fingerprint``) and the code version (default :func:`cachescore.fingerprint.code_version` ``("probe")``).
 
     ``cache`` is a :class:`~cachescore.cache.Cache` or its folder. ``inputs``: the input
     fingerprints ``{"embeddings": ..., "view": ...}`` when the caller already has them (a plan
@@ -738,18 +724,6 @@ def probe_unit_done(store, unit_fingerprint: str, params: ProbeParams | Mapping)
 
 # ---------------------------------------------------------------------------------------------
 # the unit
-
-
-def _versions() -> dict:
-    import importlib.metadata as md
-
-    out = {}
-    for dist in ("cachescore", "numpy", "scikit-learn", "scipy", "pandas", "dask", "distributed", "pyarrow"):
-        try:
-            out[dist] = md.version(dist)
-        except md.PackageNotFoundError:
-            out[dist] = None
-    return out
 
 
 def _records(evaluation, *, identity: dict, unit_fp: str, params: ProbeParams, bundle: Path,
@@ -794,7 +768,7 @@ def run_probe_unit(cache_root, encoder: str, view: str, params: ProbeParams | Ma
     client : distributed.Client, optional
         Passed to ``evaluate_sweep``: one task per (replicate, split). Call this function from the
         client process (it submits its own tasks), not from inside a task.
-    code_version : overrides :func:`probe_code_version` in the fingerprint.
+    code_version : overrides :func:`cachescore.fingerprint.code_version` ``("probe")`` in the fingerprint.
 
     Returns
     -------
@@ -853,7 +827,7 @@ def run_probe_unit(cache_root, encoder: str, view: str, params: ProbeParams | Ma
             "confounder_names": list(selection.confounder_names), "class_names": list(selection.class_names),
             "rows": {"in_domain": int(selection.id_rows.size),
                      **{n: int(r.size) for n, r in selection.test_rows.items()}, "ignored": selection.n_ignored},
-            "versions": _versions(),
+            "versions": package_versions(_RECORD_DISTRIBUTIONS),
         }
         path.parent.mkdir(parents=True, exist_ok=True)
         write_bundle(evaluation, path, provenance=provenance, overwrite=path.exists(), encoder_id=encoder,

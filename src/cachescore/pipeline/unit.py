@@ -36,6 +36,8 @@ from datetime import datetime, timezone
 import numpy as np
 import pandas as pd
 
+from .._threads import single_thread_blas
+
 __all__ = ["DATA_ERRORS", "score_unit", "score_large_unit", "drive_large_unit", "run_unit", "run_probe_task",
            "load_unit_inputs", "result_record"]
 
@@ -323,13 +325,6 @@ def captured_warnings():
                 guard.__exit__(None, None, None)
 
 
-def _pin_threads():
-    """Single-threaded BLAS/OpenMP for the duration of a task (a context manager)."""
-    from threadpoolctl import threadpool_limits
-
-    return threadpool_limits(limits=1)
-
-
 def run_unit(unit, unit_fn=None, load_fn=None, run_id: str | None = None) -> dict:
     """The Dask task for one work unit. Returns a small status dict (never arrays).
 
@@ -354,7 +349,7 @@ def run_unit(unit, unit_fn=None, load_fn=None, run_id: str | None = None) -> dic
     load_fn = load_unit_inputs if load_fn is None else load_fn
     store = ResultsStore(unit.store_root)
     t0 = time.perf_counter()
-    with _pin_threads(), captured_warnings() as caught:
+    with single_thread_blas(), captured_warnings() as caught:
         try:
             features, manifest = load_fn(unit)
             t1 = time.perf_counter()

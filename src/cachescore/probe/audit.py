@@ -54,6 +54,13 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from .._jsonsafe import json_safe
+
+
+def _id(v: Any) -> Any:
+    """A JSON-safe identity value (numpy scalar -> Python, tuple -> list; NaN kept)."""
+    return json_safe(v, nonfinite="keep")
+
 __all__ = [
     "AUDIT_SCHEMA_VERSION",
     "CONTENT_DTYPE",
@@ -108,15 +115,6 @@ class _Level:
     n_groups: int
 
 
-def _py(v: Any) -> Any:
-    """JSON-safe scalar."""
-    if isinstance(v, tuple):
-        return [_py(x) for x in v]
-    if isinstance(v, np.generic):
-        return v.item()
-    return v
-
-
 def _check_ids(values, n: int, *, level: str, where: str) -> np.ndarray:
     arr = np.asarray(values, dtype=object) if not isinstance(values, np.ndarray) else values
     if arr.ndim != 1 or arr.shape[0] != n:
@@ -144,7 +142,7 @@ class _Uniques(Sequence):
 
     Reports only ever show a few ids (:data:`MAX_EXAMPLE_IDS` per breach), so ids are not
     materialised as Python objects for all codes up front (a 1M-row composite key would cost
-    seconds): ``uniques[c]`` is ``_py(value)`` for a single key, ``[_py(v0), _py(v1), ...]`` for
+    seconds): ``uniques[c]`` is ``_id(value)`` for a single key, ``[_id(v0), _id(v1), ...]`` for
     a composite key, exactly what an eagerly built list would hold.
 
     ``components``: one array of distinct values per key part; ``rows``: (n_codes, n_parts) int64
@@ -168,8 +166,8 @@ class _Uniques(Sequence):
         if not 0 <= i < len(self):
             raise IndexError(f"code {i} out of range ({len(self)} ids)")
         if self._rows is None:
-            return _py(self._components[0][i])
-        return [_py(comp[r]) for comp, r in zip(self._components, self._rows[i].tolist())]
+            return _id(self._components[0][i])
+        return [_id(comp[r]) for comp, r in zip(self._components, self._rows[i].tolist())]
 
 
 def _combined_codes(comp_codes: list[np.ndarray], sizes: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -435,7 +433,7 @@ def audit_sweep(
         tcodes = levels["tile"].codes[:n_rows]
         lab_codes, lab_uniques = pd.factorize(pd.Series(lab), sort=True)
         task_classes = np.arange(len(lab_uniques))
-        task_class_values = [_py(u) for u in lab_uniques]
+        task_class_values = [_id(u) for u in lab_uniques]
         pairs = np.unique(np.stack([tcodes, lab_codes], axis=1), axis=0)
         multi = np.bincount(pairs[:, 0], minlength=levels["tile"].n_groups) > 1
         if multi.any():
@@ -463,7 +461,7 @@ def audit_sweep(
         all_conf = np.concatenate([conf.to_numpy(dtype=object)] +
                                   [np.asarray(v, dtype=object) for v in ts_conf_codes.values()])
         cc, cu = pd.factorize(pd.Series(all_conf))
-        conf_level = _Level("ood_centre", cc.astype(np.int64), [_py(u) for u in cu], len(cu))
+        conf_level = _Level("ood_centre", cc.astype(np.int64), [_id(u) for u in cu], len(cu))
         conf_off = {}
         o = n_rows
         for ts, v in ts_conf_codes.items():
@@ -476,7 +474,7 @@ def audit_sweep(
             raise ValueError(f"confounders must have shape ({n_rows},), got {_cv.shape}")
         conf_all_codes, _cu = pd.factorize(pd.Series(_cv, copy=False), sort=True)
         conf_all_codes = conf_all_codes.astype(np.int64)
-        conf_uniques = [_py(u) for u in _cu]
+        conf_uniques = [_id(u) for u in _cu]
         n_conf_codes = len(conf_uniques)
         if require_seen_id_centres:
             checks.append("id_centre_unseen")
@@ -527,13 +525,13 @@ def audit_sweep(
     checks.append("test_set_drift")
     for oc in outcomes:
         r, s = oc.replicate, oc.split
-        r_py, s_py = _py(r), _py(s)
+        r_py, s_py = _id(r), _id(s)
         rows = {
             "train": _check_rows(oc.train_rows, n_rows, role="train", replicate=r_py, split=s_py),
             "val": _check_rows(oc.val_rows, n_rows, role="val", replicate=r_py, split=s_py),
             "in_domain": _check_rows(oc.test_rows, n_rows, role="in_domain", replicate=r_py, split=s_py),
         }
-        seeds_by_rep.setdefault(r_py, set()).add(_py(getattr(oc, "seed", None)))
+        seeds_by_rep.setdefault(r_py, set()).add(_id(getattr(oc, "seed", None)))
         # rule 1: a row index in two roles -> refused at once
         role_of = np.full(n_rows, -1, dtype=np.int64)
         row_breaches = []
@@ -657,7 +655,7 @@ def audit_sweep(
                     "n_rows": int(trows.size), "rows": np.unique(trows)[:MAX_EXAMPLE_ROWS].tolist(),
                 })
         per_outcome.append({
-            "replicate": r_py, "split": s_py, "seed": _py(getattr(oc, "seed", None)),
+            "replicate": r_py, "split": s_py, "seed": _id(getattr(oc, "seed", None)),
             "n_train": int(rows["train"].size), "n_val": int(rows["val"].size),
             "n_in_domain": int(rows["in_domain"].size), "overlap_counts": overlaps,
             "duplicate_tiles_within_role": dup_within, "missing_classes": missing_cls,
@@ -677,7 +675,7 @@ def audit_sweep(
     if len(dup):
         breaches.append({"level": "replicate_seeds", "replicate": None, "split": None,
                          "roles": ["replicate"], "n_ids": int(dup.nunique()),
-                         "ids": sorted({_py(v) for v in dup})[:MAX_EXAMPLE_IDS],
+                         "ids": sorted({_id(v) for v in dup})[:MAX_EXAMPLE_IDS],
                          "n_rows": 0, "rows": []})
 
     for name in coarser:  # rule 5: counted and shown, never hidden, never critical
@@ -856,7 +854,7 @@ def audit_content(
     warnings: list[str] = []
     per_outcome = []
     for job in jobs:
-        r, s = _py(job.replicate), _py(job.split)
+        r, s = _id(job.replicate), _id(job.split)
         roles = {
             "train": np.asarray(job.train_rows, np.int64),
             "val": np.asarray(job.val_rows, np.int64),

@@ -38,9 +38,7 @@ work entirely (no probe is fitted).
 from __future__ import annotations
 
 import datetime as _dt
-import hashlib
 import json
-import math
 import os
 import shutil
 import uuid
@@ -50,6 +48,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from .._hashing import sha256_file
+from .._version import package_versions
+from .._jsonsafe import json_safe
 from .evaluate import SweepEvaluation
 
 __all__ = [
@@ -65,6 +66,9 @@ __all__ = [
     "write_bundle",
     "write_encoder_bundle",
 ]
+
+#: Distributions whose versions a bundle's provenance records.
+_BUNDLE_DISTRIBUTIONS = ("numpy", "pandas", "scikit-learn", "scipy", "dask", "pyarrow", "cachescore")
 
 #: ``major.minor``; a reader refuses an unknown major version. 2.0: C.6 layout (leakage.json with
 #: plan + content audits, predictions, per-centre metrics, split reports, plan hash in the manifest).
@@ -94,23 +98,8 @@ class BundleExistsError(BundleError, FileExistsError):
 # strict JSON
 
 
-def _clean(x: Any) -> Any:
-    """Recursively make ``x`` strict-JSON-safe: NaN/inf -> None, numpy scalars -> Python."""
-    if isinstance(x, dict):
-        return {str(k): _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    if isinstance(x, np.ndarray):
-        return _clean(x.tolist())
-    if isinstance(x, np.generic):
-        x = x.item()
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    return x
-
-
 def _dump_json(obj: Any, path: Path) -> None:
-    text = json.dumps(_clean(obj), sort_keys=True, indent=2, allow_nan=False, ensure_ascii=False)
+    text = json.dumps(json_safe(obj), sort_keys=True, indent=2, allow_nan=False, ensure_ascii=False)
     path.write_text(text + "\n", encoding="utf-8")
 
 
@@ -125,14 +114,6 @@ def _load_json(path: Path) -> Any:
         raise BundleError(f"{path}: not valid JSON ({exc})") from exc
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -144,33 +125,6 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
-
-
-def _versions() -> dict:
-    import scipy
-    import sklearn
-
-    out = {"numpy": np.__version__, "pandas": pd.__version__, "scikit-learn": sklearn.__version__,
-           "scipy": scipy.__version__}
-    try:
-        import dask
-
-        out["dask"] = dask.__version__
-    except Exception:  # pragma: no cover - dask is a hard dependency
-        pass
-    try:
-        import pyarrow
-
-        out["pyarrow"] = pyarrow.__version__
-    except Exception:  # pragma: no cover
-        pass
-    try:
-        from cachescore import __version__
-
-        out["cachescore"] = __version__
-    except Exception:  # pragma: no cover
-        pass
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,7 +185,7 @@ def _write_files(evaluation: SweepEvaluation, stage: Path) -> list[str]:
 
 def _write_manifest(stage: Path, files: list[str], provenance: dict, evaluation: SweepEvaluation,
                     identity: dict) -> None:
-    entries = {rel: {"sha256": _sha256(stage / rel), "size": (stage / rel).stat().st_size}
+    entries = {rel: {"sha256": sha256_file(stage / rel), "size": (stage / rel).stat().st_size}
                for rel in sorted(files)}
     manifest = {
         "schema_version": BUNDLE_SCHEMA_VERSION,
@@ -245,7 +199,7 @@ def _write_manifest(stage: Path, files: list[str], provenance: dict, evaluation:
         "replicate_seeds": list(evaluation.replicate_seeds),
         "files": entries,
         "provenance": provenance,
-        "library_versions": _versions(),
+        "library_versions": package_versions(_BUNDLE_DISTRIBUTIONS),
         "leakage_passed": evaluation.leakage["passed"],
         "warnings": list(evaluation.warnings),
     }
@@ -290,7 +244,7 @@ def write_bundle(
     if not isinstance(provenance, dict):
         raise TypeError(f"provenance must be a dict, got {type(provenance).__name__}")
     try:
-        json.dumps(_clean(provenance), allow_nan=False)
+        json.dumps(json_safe(provenance), allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"provenance must be JSON-serialisable: {exc}") from exc
     target = Path(path)
@@ -345,7 +299,7 @@ def _verified_files(root: Path, manifest: dict) -> dict:
             raise BundleError(f"{root}: file '{rel}' listed in the manifest is missing")
         if p.stat().st_size != meta.get("size"):
             raise BundleError(f"{root}: file '{rel}' has size {p.stat().st_size}, manifest says {meta.get('size')}")
-        digest = _sha256(p)
+        digest = sha256_file(p)
         if digest != meta.get("sha256"):
             raise BundleError(f"{root}: checksum mismatch for '{rel}' (sha256 {digest}, manifest {meta.get('sha256')})")
     present = {str(p.relative_to(root).as_posix()) for p in root.rglob("*") if p.is_file()}

@@ -15,9 +15,10 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from threadpoolctl import threadpool_limits
 
-from cachescore.probe.fit import ProbeOutcome, fit_probe
+
+from .._threads import single_thread_blas
+from .fit import ProbeOutcome, fit_probe
 
 if TYPE_CHECKING:  # pragma: no cover
     from cachescore.probe.sweep import ProbeJob
@@ -41,7 +42,7 @@ def run_probe_job(
     test_sets = {
         name: (test_arrays[2 * k], test_arrays[2 * k + 1]) for k, name in enumerate(test_names)
     }
-    with threadpool_limits(limits=1):
+    with single_thread_blas():
         return fit_probe(
             features,
             labels,

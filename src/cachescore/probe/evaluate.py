@@ -53,8 +53,8 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from threadpoolctl import threadpool_limits
 
+from .._threads import single_thread_blas
 from . import calibration as cal
 from .audit import LeakageError, _error_message, audit_content, audit_sweep, combine_leakage
 
@@ -486,7 +486,7 @@ def _fit_and_evaluate(job, features, labels, row_centres, names, eval_kw, *flat)
     m = len(names)
     tests = flat[: 2 * m]
     centres = {name: flat[2 * m + k] for k, name in enumerate(names) if flat[2 * m + k] is not None}
-    with threadpool_limits(limits=1):
+    with single_thread_blas():
         outcome = run_probe_job(job, features, labels, names, True, *tests)
         ev = evaluate_outcome(outcome, row_centres=row_centres, test_centres=centres, **eval_kw)
     return _strip(outcome), ev

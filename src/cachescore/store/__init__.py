@@ -4,7 +4,7 @@ Public names: :func:`fingerprint` (sha256 of canonical JSON), :class:`ResultsSto
 :data:`SCORES_SCHEMA`, :data:`FAILURES_SCHEMA`, :class:`StoreError`, :class:`CorruptRecordError`.
 """
 
-from .fingerprint import canonical_json, fingerprint
+from ..fingerprint import canonical_json, fingerprint
 from .results import CorruptRecordError, ResultsStore, StoreError
 from .schema import FAILURES_SCHEMA, SCORES_SCHEMA
 

@@ -26,18 +26,16 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import math
 import re
 import uuid
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .atomic import atomic_write, atomic_write_json, sweep_partials
-from .fingerprint import canonical
+from .._jsonsafe import json_safe
 from .schema import FAILURES_SCHEMA, RECORD_VERSION, SCORES_SCHEMA, STORE_LAYOUT_VERSION, failure_to_row, record_to_row, rows_to_frame, utc_now
 
 __all__ = ["ResultsStore", "StoreError", "CorruptRecordError"]
@@ -56,26 +54,6 @@ class CorruptRecordError(KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0]) if self.args else ""
-
-
-def _jsonable(obj):
-    """Plain JSON data for a record: like :func:`canonical`, but NaN -> null and ±inf -> "inf"/"-inf"."""
-    if isinstance(obj, (float, np.floating)):
-        v = float(obj)
-        if math.isnan(v):
-            return None
-        if math.isinf(v):
-            return "inf" if v > 0 else "-inf"
-        return v
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, np.ndarray):
-        return _jsonable(obj.tolist())
-    if isinstance(obj, (pd.Timestamp,)):
-        return obj.isoformat()
-    return canonical(obj)
 
 
 class ResultsStore:
@@ -245,7 +223,7 @@ class ResultsStore:
         self._check_fp(fp)
         if not isinstance(record, dict):
             raise TypeError(f"record must be a dict, got {type(record).__name__}")
-        body = _jsonable(record)
+        body = json_safe(record, nonfinite="string")
         finished_at = utc_now()
         record_to_row(body, fingerprint=fp, finished_at=finished_at)  # schema check before publishing
         target = self._unit_json(fp)
@@ -275,7 +253,7 @@ class ResultsStore:
         if not isinstance(unit, dict):
             raise TypeError(f"unit must be a dict, got {type(unit).__name__}")
         envelope = {"version": RECORD_VERSION, "fingerprint": fp, "failed_at": utc_now(),
-                    "unit": _jsonable(unit), "error": str(error)}
+                    "unit": json_safe(unit, nonfinite="string"), "error": str(error)}
         atomic_write_json(self._failure_json(fp), envelope, overwrite=True)
 
     def clear_failure(self, fp: str) -> None:
@@ -301,7 +279,7 @@ class ResultsStore:
         same run, e.g. start then finish). ``info`` must be JSON-able (numpy accepted)."""
         if not isinstance(info, dict):
             raise TypeError(f"info must be a dict, got {type(info).__name__}")
-        return atomic_write_json(self.run_dir(run_id) / "provenance.json", _jsonable(info), overwrite=True)
+        return atomic_write_json(self.run_dir(run_id) / "provenance.json", json_safe(info, nonfinite="string"), overwrite=True)
 
     def read_provenance(self, run_id: str) -> dict:
         """The provenance dict of ``run_id``; ``KeyError`` if none was written."""

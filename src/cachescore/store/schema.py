@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 import pandas as pd
 import pyarrow as pa
 
-from .fingerprint import canonical_json
+from ..fingerprint import canonical_json
 
 __all__ = [
     "RECORD_VERSION",
