@@ -36,7 +36,7 @@ import sys
 import numpy as np
 import pytest
 
-from cachescore.neighbors import ann
+from cachescore.neighbors import ann, recall, topk
 from cachescore.neighbors.normalize import cosine_distance_block, normalize_rows
 from cachescore.neighbors.registry import (
     DEFAULT_AUTO_THRESHOLD,
@@ -122,7 +122,7 @@ def assert_same_neighbours(idx, dist, ref_idx, ref_dist, tol):
 
 
 def full_recall(dist, ref_dist, tol):
-    hits, total = ann._recall_counts(dist, ref_dist, tol)
+    hits, total = recall.recall_counts(dist, ref_dist, tol)
     return hits / total
 
 
@@ -160,7 +160,7 @@ def test_topk_orders_by_distance_then_index_under_ties():
         dist = rng.integers(0, 4, (40, w)).astype(np.float64)  # many exact ties
         dist[rng.random((40, w)) < 0.2] = np.inf
         idx = np.stack([rng.permutation(1000)[:w] for _ in range(40)])
-        got_i, got_d = ann._topk(dist, idx, k)
+        got_i, got_d = topk.topk(dist, idx, k)
         order = np.lexsort((idx, dist), axis=1)[:, :k]
         exp_d = np.take_along_axis(dist, order, 1)
         exp_i = np.where(np.isfinite(exp_d), np.take_along_axis(idx, order, 1), -1)
@@ -563,8 +563,8 @@ def test_packed_key_merge_equals_lexsort_merge_with_ties(seed):
     acc32 = (np.full((b, k), -1, np.int64), np.full((b, k), np.inf))
     acc64 = (np.full((b, k), -1, np.int64), np.full((b, k), np.inf))
     for half in (slice(0, 150), slice(150, 300)):  # two tiles: the second merges into the first
-        ann._merge_tile(*acc32, np.ascontiguousarray(dist[:, half]), tids[half], k)
-        ann._merge_tile(*acc64, dist[:, half].astype(np.float64), tids[half], k)
+        topk.merge_tile(*acc32, np.ascontiguousarray(dist[:, half]), tids[half], k)
+        topk.merge_tile(*acc64, dist[:, half].astype(np.float64), tids[half], k)
     np.testing.assert_array_equal(acc32[0], acc64[0])
     np.testing.assert_array_equal(acc32[1], acc64[1])
     ref = np.lexsort((np.broadcast_to(tids, dist.shape), dist), axis=1)[:, :k]

@@ -1,4 +1,4 @@
-"""Distributed exact searches over query row blocks (``cachescore.pipeline.blocked_search``).
+"""Distributed exact searches over query row blocks (``cachescore.neighbors.blocked``).
 
 Pins: on a real 2-process LocalCluster (127.0.0.1, no dashboard), ``distributed_typed_knn`` and
 ``distributed_count_within`` return arrays *identical* (``assert_array_equal``, no tolerance) to
@@ -24,7 +24,7 @@ from threadpoolctl import threadpool_limits
 from cachescore.metrics.croma import CRoMa
 from cachescore.neighbors.normalize import normalize_rows
 from cachescore.neighbors.typed import count_within, typed_knn
-from cachescore.pipeline.blocked_search import (
+from cachescore.neighbors.blocked import (
     SEARCH_KINDS,
     distributed_count_within,
     distributed_cross_group_knn,

@@ -1,4 +1,4 @@
-"""Out-of-core, distributed search of large scopes (cachescore.pipeline.large_scope).
+"""Out-of-core, distributed search of large scopes (cachescore.neighbors.large_scope).
 
 Pins: with every cluster probed (the ``exact`` backend) the tables equal the in-memory exact
 engines (cross-group: identical indices and bits; typed: within spec §12.3's float32 distance
@@ -29,11 +29,11 @@ import pytest
 from cachescore.cache import Cache, write_embeddings, write_view
 from cachescore.cache.writer import write_tileset
 from cachescore.jobs import parse_job
-from cachescore.metrics._manifest import prepare
+from cachescore.manifest import prepare
 from cachescore.neighbors.exact import cross_group_knn
 from cachescore.neighbors.normalize import normalize_rows
 from cachescore.neighbors.typed import typed_knn
-from cachescore.pipeline import large_scope as ls
+from cachescore.neighbors import large_scope as ls
 from cachescore.pipeline import plan_job, run_job
 from cachescore.pipeline import unit as unit_mod
 from cachescore.store import ResultsStore
@@ -51,13 +51,13 @@ F32_DIST_TOL = 4e-7
 
 @pytest.fixture(autouse=True)
 def _small_partition(monkeypatch):
-    monkeypatch.setattr(ls, "CHUNK_BYTES", 900 * 32 * 4)  # 900-row chunks at d = 32
-    monkeypatch.setattr(ls, "ROWS_PER_CLUSTER", 150)
-    monkeypatch.setattr(ls, "KMEANS_MIN_SAMPLE", 500)
-    monkeypatch.setattr(ls, "KMEANS_MAX_SAMPLE", 800)
-    monkeypatch.setattr(ls, "BATCH_ROWS", 600)
-    monkeypatch.setattr(ls, "PIECE_ROWS", 1200)
-    monkeypatch.setattr(ls, "CALIBRATION_QUERIES", 600)
+    monkeypatch.setattr(ls.files, "CHUNK_BYTES", 900 * 32 * 4)  # 900-row chunks at d = 32
+    monkeypatch.setattr(ls.files, "ROWS_PER_CLUSTER", 150)
+    monkeypatch.setattr(ls.files, "KMEANS_MIN_SAMPLE", 500)
+    monkeypatch.setattr(ls.files, "KMEANS_MAX_SAMPLE", 800)
+    monkeypatch.setattr(ls.files, "BATCH_ROWS", 600)
+    monkeypatch.setattr(ls.files, "PIECE_ROWS", 1200)
+    monkeypatch.setattr(ls.files, "CALIBRATION_QUERIES", 600)
 
 
 def clustered_rows(n, d, *, seed, n_labels=2, n_conf=3, n_morph=10, slide=20):
@@ -228,8 +228,8 @@ def test_no_task_receives_an_argument_that_grows_with_the_scope(cache_root, clie
     search.cross(None, sc.groups, 15)
     search.typed(None, sc.labels, sc.confounders, sc.groups, 5)
     names = {name for name, _ in spy.rows}
-    assert {"_sample_task", "_chunk_task", "_search_task"} <= names and ("_brute_task" in names) != exact
-    bound = max(ls.KMEANS_MAX_SAMPLE, ls.CALIBRATION_QUERIES + 300, math.ceil(3600 / ls.ROWS_PER_CLUSTER) + 1)
+    assert {"sample_task", "chunk_task", "search_task"} <= names and ("brute_task" in names) != exact
+    bound = max(ls.files.KMEANS_MAX_SAMPLE, ls.files.CALIBRATION_QUERIES + 300, math.ceil(3600 / ls.files.ROWS_PER_CLUSTER) + 1)
     assert bound < sc.n == 3600
     assert max(rows for _, rows in spy.rows) <= bound, sorted(spy.rows, key=lambda r: -r[1])[:5]
 
@@ -294,9 +294,9 @@ def test_pipeline_large_units_match_the_in_memory_api(cache_root, client, tmp_pa
     job = _job(tmp_path, root, "exact")
     plan = plan_job(job)
     assert {u.params.get("engine") for u in plan.pending} == {"distributed"}
-    chunk_rows = ls.CHUNK_BYTES // (32 * 4)
+    chunk_rows = ls.files.CHUNK_BYTES // (32 * 4)
     reads = []
-    real_read = ls._read_scope_rows
+    real_read = ls.read_scope_rows
 
     def spy(cache_root, encoder, tileset, tile_rows, positions, source):
         reads.append(len(tile_rows))
@@ -305,13 +305,13 @@ def test_pipeline_large_units_match_the_in_memory_api(cache_root, client, tmp_pa
     def no_whole_view(unit):
         raise AssertionError("a large unit loaded its whole view")
 
-    monkeypatch.setattr(ls, "_read_scope_rows", spy)
+    monkeypatch.setattr(ls.tasks, "read_scope_rows", spy)
     monkeypatch.setattr(unit_mod, "load_unit_inputs", no_whole_view)
     ok, failures = _run(job, client)
     assert failures == [] and ok == len(plan.pending)
     # every read of embeddings is one k-means sample or one chunk, never the 3,600-row view
     assert reads and max(reads) <= chunk_rows == 900
-    assert sum(r for r in reads if r != ls.KMEANS_MAX_SAMPLE) >= 2 * 3600  # both encoders partitioned
+    assert sum(r for r in reads if r != ls.files.KMEANS_MAX_SAMPLE) >= 2 * 3600  # both encoders partitioned
     assert not (tmp_path / "store-exact" / "scratch" / "large").exists() or not any(
         (tmp_path / "store-exact" / "scratch" / "large").iterdir())
     recs = _records(tmp_path / "store-exact")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from cachescore.neighbors import topk
 from cachescore.neighbors.normalize import cosine_distance_block, normalize_rows
 from cachescore.neighbors.partition import (
     assign_clusters,
@@ -117,10 +118,10 @@ def test_merge_of_a_tile_closer_than_every_current_neighbour_keeps_o_bk_candidat
         o = np.lexsort((i, d))[:k]
         want_i[r], want_d[r] = i[o], d[o]
     sizes = []
-    real = ann._merge_keys
-    monkeypatch.setattr(ann, "_merge_keys", lambda bi_, bd_, nd, *a: (sizes.append(nd.size), real(bi_, bd_, nd, *a))[1])
-    ann._merge_tile(bi, bd, dist, tids, k)
+    real = topk.merge_keys
+    monkeypatch.setattr(topk, "merge_keys", lambda bi_, bd_, nd, *a: (sizes.append(nd.size), real(bi_, bd_, nd, *a))[1])
+    topk.merge_tile(bi, bd, dist, tids, k)
     np.testing.assert_array_equal(bi, want_i)
     np.testing.assert_array_equal(bd, want_d)
-    assert sizes and sizes[0] <= ann._MERGE_CANDIDATES * b * k < b * w
+    assert sizes and sizes[0] <= topk.MERGE_CANDIDATES * b * k < b * w
 

@@ -8,13 +8,15 @@ retried; an interrupted run resumes with the remainder only and ends with the sa
 uninterrupted one; provenance and the performance report are written; ``score_unit`` gives
 croma's numbers.
 
-Most tests use a tiny in-process LocalCluster and an injected unit function (``fake_score``), so
-they exercise the orchestration and not the metrics; ``test_score_unit_matches_croma`` checks the
+Most tests use a tiny in-process LocalCluster and stand in for the unit's scoring function
+(``fake_score``, patched into ``cachescore.pipeline.unit`` for the run: the workers are threads of
+this process), so they exercise the orchestration and not the metrics; ``test_score_unit_matches_croma`` checks the
 metric wiring against the oracle.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
@@ -33,9 +35,12 @@ from cachescore.jobs import parse_job
 from cachescore.pipeline import plan_job, run_job
 from cachescore.pipeline.execute import execute_plan
 from cachescore.pipeline.cluster import open_client
-from cachescore.pipeline.plan import resolve_backend
+from cachescore.neighbors.registry import OUT_OF_CORE, engine_params, in_memory_searcher, is_out_of_core
 from cachescore.store import ResultsStore
+import cachescore.pipeline.unit as unit_mod
 
+#: The real functions, captured before any test patches the module.
+REAL_LOAD = unit_mod.load_unit_inputs
 CALLS: list[str] = []
 _LOCK = threading.Lock()
 
@@ -81,9 +86,24 @@ def make_job(tmp_path, cache, **sections):
     return parse_job(doc, path=tmp_path / "job.toml")
 
 
-def run(job, **kw):
-    kw.setdefault("unit_fn", fake_score)
-    return run_job(job, processes=False, out=io.StringIO(), **kw)
+@contextlib.contextmanager
+def stand_ins(score=fake_score, load=None, probe=None):
+    """Replace what the unit tasks call (``score_unit``, ``load_unit_inputs``, ``run_probe_unit``
+    of :mod:`cachescore.pipeline.unit`) for the duration of a run on an in-process cluster."""
+    names = {"score_unit": score, "load_unit_inputs": load, "run_probe_unit": probe}
+    saved = {k: getattr(unit_mod, k) for k, f in names.items() if f is not None}
+    try:
+        for k in saved:
+            setattr(unit_mod, k, names[k])
+        yield
+    finally:
+        for k, f in saved.items():
+            setattr(unit_mod, k, f)
+
+
+def run(job, *, score=fake_score, load=None, probe=None, out=None):
+    with stand_ins(score, load, probe):
+        return run_job(job, processes=False, out=io.StringIO() if out is None else out)
 
 
 def test_plan_grid_and_fingerprints(tmp_path, demo_cache):
@@ -137,11 +157,19 @@ def test_code_version_enters_fingerprints(tmp_path, demo_cache, monkeypatch):
     assert re.fullmatch(re.escape(__version__) + r"\+[0-9a-f]{12}", code_version())
 
 
-def test_resolve_backend():
-    assert resolve_backend("auto", max_scope_rows=100, dim=10, threshold=1e5) == "exact"
-    assert resolve_backend("auto", max_scope_rows=101, dim=10, threshold=1e5) == "ann"
-    assert resolve_backend("exact", max_scope_rows=10**6, dim=768, threshold=1.0) == "exact"
-    assert resolve_backend("ann", max_scope_rows=2, dim=2, threshold=1e30) == "ann"
+def test_engine_params_resolve_auto_and_mark_large_scopes():
+    nb = {"auto_threshold": 1e5, "recall_target": 0.99, "recall_sample": 100, "seed": 3, "large_scope_rows": 1000}
+    assert engine_params("auto", scope_rows=100, dim=10, neighbors=nb) == {"backend": "exact"}
+    assert engine_params("auto", scope_rows=101, dim=10, neighbors=nb) == {
+        "backend": "ann", "recall_target": 0.99, "recall_sample": 100, "seed": 3}
+    assert engine_params("exact", scope_rows=10**6, dim=768, neighbors=dict(nb, auto_threshold=1.0)) == {
+        "backend": "exact", "engine": OUT_OF_CORE, "seed": 3}
+    assert engine_params("ann", scope_rows=2, dim=2, neighbors=dict(nb, auto_threshold=1e30))["backend"] == "ann"
+    assert is_out_of_core({"engine": OUT_OF_CORE}) and not is_out_of_core({"backend": "exact"})
+    assert in_memory_searcher({"backend": "exact"}) is None
+    assert type(in_memory_searcher({"backend": "ann", "seed": 0, "recall_target": 0.9, "recall_sample": 5})).__name__ == "AnnSearch"
+    with pytest.raises(ValueError, match="unknown neighbour backend 'fast'"):
+        engine_params("fast", scope_rows=1, dim=1, neighbors=nb)
 
 
 def test_second_run_executes_nothing(tmp_path, demo_cache):
@@ -228,14 +256,12 @@ _ATTEMPTS: dict[str, int] = {}
 
 def flaky_load(unit):
     """Loads normally, but the first attempt at every croma unit loses its connection."""
-    from cachescore.pipeline.unit import load_unit_inputs
-
     with _LOCK:
         _ATTEMPTS[unit.fingerprint] = _ATTEMPTS.get(unit.fingerprint, 0) + 1
         first = _ATTEMPTS[unit.fingerprint] == 1
     if unit.metric == "croma" and first:
         raise ConnectionResetError("simulated transient failure")
-    return load_unit_inputs(unit)
+    return REAL_LOAD(unit)
 
 
 def always_lost(unit):
@@ -245,7 +271,7 @@ def always_lost(unit):
 def test_transient_failures_are_retried(tmp_path, demo_cache):
     job = make_job(tmp_path, demo_cache, job={"encoders": ["enc0"]})
     _ATTEMPTS.clear()
-    summary = run(job, load_fn=flaky_load)
+    summary = run(job, load=flaky_load)
     assert summary.ok and summary.succeeded == 8
     croma = [u.fingerprint for u in plan_job(job).done if u.metric == "croma"]
     assert croma and all(_ATTEMPTS[fp] == 2 for fp in croma)
@@ -254,7 +280,7 @@ def test_transient_failures_are_retried(tmp_path, demo_cache):
 def test_exhausted_retries_are_recorded(tmp_path, demo_cache):
     job = make_job(tmp_path, demo_cache, job={"encoders": ["enc0"], "views": ["centre_all"]},
                    metrics={"families": ["ri"]})
-    summary = run(job, load_fn=always_lost)
+    summary = run(job, load=always_lost)
     assert not summary.ok and summary.succeeded == 0 and len(summary.failures) == 1
     assert "ConnectionResetError" in summary.failures[0]["error"]
     fails = ResultsStore(job.store).failures()
@@ -270,7 +296,8 @@ def test_interrupted_run_resumes_with_identical_results(tmp_path, demo_cache):
     # an interrupted run: only the first 10 units got written before the client died
     partial = dataclasses.replace(plan, pending=plan.pending[:10])
     with open_client(None, n_workers=1, dashboard=False, processes=False) as client:
-        ok, fails = execute_plan(partial, client, retries=0, out=None, unit_fn=fake_score)
+        with stand_ins():
+            ok, fails = execute_plan(partial, client, retries=0, out=None)
     assert ok == 10 and not fails
     CALLS.clear()
     resumed = run(job)
@@ -291,7 +318,7 @@ def test_performance_report_and_progress(tmp_path, demo_cache):
     job = make_job(tmp_path, demo_cache, job={"encoders": ["enc0"], "views": ["centre_all"]},
                    metrics={"families": ["ri"]}, execution={"performance_report": True})
     out = io.StringIO()
-    summary = run_job(job, processes=False, out=out, unit_fn=fake_score)
+    summary = run(job, out=out)
     assert summary.ok and summary.report_path
     report = Path(summary.report_path)
     assert report.is_file() and report.parent == ResultsStore(job.store).run_dir(summary.run_id)
@@ -510,7 +537,7 @@ def test_probe_units_run_concurrently_with_metric_units(tmp_path):
                      "metrics": {"families": ["ri", "mari"]}, "probe": PROBE,
                      "execution": {"n_workers": 1, "retries": 0, "dashboard": False, "performance_report": False}},
                     path=tmp_path / "job.toml")
-    summary = run(job, unit_fn=score_noting_probe, probe_fn=probe_waiting_for_metrics)
+    summary = run(job, score=score_noting_probe, probe=probe_waiting_for_metrics)
     assert summary.executed == 3 and summary.succeeded == 3 and not summary.failures
     assert METRIC_DURING_PROBE.is_set(), "no metric unit ran while the probe unit was in flight"
     scores = ResultsStore(job.store).scores()
@@ -561,12 +588,12 @@ def test_probe_unit_retry_semantics(tmp_path):
 
     _PROBE_ATTEMPTS.clear()
     job = job_at("flaky", 1)
-    summary = run(job, probe_fn=probe_flaky)
+    summary = run(job, probe=probe_flaky)
     assert summary.ok and summary.succeeded == 2 and _PROBE_ATTEMPTS == ["encA", "encA"]
     assert (ResultsStore(job.store).scores()["design"] == "probe").sum() == 4
 
     lost = job_at("lost", 0)
-    summary = run(lost, probe_fn=probe_always_lost)
+    summary = run(lost, probe=probe_always_lost)
     assert summary.succeeded == 1 and [f["label"] for f in summary.failures] == ["encA/v/probe"]
     assert "ConnectionResetError" in summary.failures[0]["error"]
     rows = [r for r in unit_status(lost) if r["design"] == "probe"]
@@ -574,3 +601,45 @@ def test_probe_unit_retry_semantics(tmp_path):
     again = run(lost)
     assert again.ok and again.executed == 1 and again.skipped == 1
     assert ResultsStore(lost.store).failures().empty  # the success supersedes the unit's failure
+
+
+_BUG_CALLS: list[str] = []
+
+
+def buggy_score(unit, features, manifest):
+    with _LOCK:
+        _BUG_CALLS.append(unit.fingerprint)
+    raise TypeError("unsupported operand type(s) for +: 'int' and 'str'")  # a bug in our code
+
+
+def test_a_bug_is_retried_and_reported_not_filed_as_bad_data(tmp_path, demo_cache):
+    """DATA_ERRORS is narrow (ADR-0008): a TypeError/KeyError from our code is not recorded as the
+    unit's bad data at once; Dask retries it, then the client records it with its type and message."""
+    from cachescore.errors import DATA_ERRORS, UnscorableError
+
+    assert not issubclass(TypeError, DATA_ERRORS) and not issubclass(KeyError, DATA_ERRORS)
+    assert issubclass(UnscorableError, DATA_ERRORS) and issubclass(UnscorableError, RuntimeError)
+    job = make_job(tmp_path, demo_cache, job={"encoders": ["enc0"], "views": ["centre_all"]},
+                   metrics={"families": ["ri"]}, execution={"retries": 2})
+    _BUG_CALLS.clear()
+    summary = run(job, score=buggy_score)
+    assert summary.succeeded == 0 and len(summary.failures) == 1
+    assert summary.failures[0]["error"].startswith("TypeError: unsupported operand")
+    assert len(_BUG_CALLS) == 3  # the first attempt and two retries: never filed as data at once
+
+
+def test_a_metric_refusal_is_a_data_error_with_the_unit_label(tmp_path):
+    """croma's RuntimeError refusals (here: a view whose scope has one group) are recorded at once,
+    as UnscorableError naming the unit, and never retried."""
+    root = tmp_path / "cache"
+    make_demo_cache(root, n_slides_per_cell=1, tiles_per_slide=3, dim=4, encoders=2, seed=0)
+    frame = Cache(root).read_view("centre_all")
+    one_group = frame.assign(group_id="g0")
+    write_view(root, "one_group", one_group[[c for c in one_group.columns if c != "row"]], tileset="demo",
+               confounder_column="centre", design="all")
+    job = make_job(tmp_path, root, job={"views": ["one_group"], "encoders": ["enc0"]}, metrics={"families": ["ri"]},
+                   execution={"retries": 2})
+    summary = run(job, score=unit_mod.score_unit)
+    assert len(summary.failures) == 1
+    err = summary.failures[0]["error"]
+    assert err.startswith("UnscorableError: enc0/one_group/all/ri: ") and "cross-group neighbor" in err

@@ -32,16 +32,14 @@ from threadpoolctl import threadpool_limits
 
 import cachescore.probe.distributed as dist
 from cachescore.cache import Cache, write_embeddings, write_tileset, write_view
+from cachescore.probe.params import ProbeParams, ProbeParamsError
+from cachescore.probe.views import prepare_probe_inputs, select_probe_rows
 from cachescore.pipeline.probe_unit import (
-    ProbeParams,
-    ProbeParamsError,
-    prepare_probe_inputs,
     probe_record_keys,
     probe_unit_done,
     probe_unit_fingerprint,
     run_probe_and_store,
     run_probe_unit,
-    select_probe_rows,
     write_probe_records,
 )
 from cachescore.probe.bundle import read_bundle, read_manifest

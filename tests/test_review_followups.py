@@ -223,13 +223,13 @@ def test_plan_hashes_each_view_and_tileset_once(tmp_path, monkeypatch):
     monkeypatch.setenv("CACHESCORE_CODE_VERSION", "pinned-for-test")
     job = _demo_job(tmp_path)
     hashed = Counter()
-    real = reader_mod._sha256_file
+    real = reader_mod.sha256_file
 
     def counting(path):
         hashed[str(path)] += 1
         return real(path)
 
-    monkeypatch.setattr(reader_mod, "_sha256_file", counting)
+    monkeypatch.setattr(reader_mod, "sha256_file", counting)
     plan = plan_job(job)
     cache = Cache(job.cache)
     probe_units = [u for u in plan.units if u.metric == "probe"]
@@ -240,7 +240,7 @@ def test_plan_hashes_each_view_and_tileset_once(tmp_path, monkeypatch):
     assert set(hashed.values()) == {1}, hashed  # each file once per plan (was 20 reads for 3 files)
     # fingerprints unchanged: the probe units' equal the ones computed from scratch per unit, and
     # the metric units' inputs equal the cache's own fingerprints
-    monkeypatch.setattr(reader_mod, "_sha256_file", real)
+    monkeypatch.setattr(reader_mod, "sha256_file", real)
     for u in probe_units:
         assert u.fingerprint == probe_unit_fingerprint(cache, u.encoder, u.view, job.probe, code_version="pinned-for-test")
         assert u.inputs == {"embeddings": cache.embedding_fingerprint(u.encoder, u.tileset),
@@ -394,7 +394,7 @@ def test_audit_composite_key_formats_only_reported_ids(monkeypatch):
     """1M rows, composite tile key (slide, tile), no leakage: ids are formatted only when shown.
 
     Before the fix every one of the 1M unique composite ids was formatted in a Python loop
-    (2M ``_py`` calls, ~3.5 s); now the count does not grow with the number of rows.
+    (2M ``_id`` (then ``_py``) calls, ~3.5 s); now the count does not grow with the number of rows.
     """
     from types import SimpleNamespace
 
@@ -412,13 +412,13 @@ def test_audit_composite_key_formats_only_reported_ids(monkeypatch):
     outcome = SimpleNamespace(replicate=0, split=0, seed=1, train_rows=rows["train"], val_rows=rows["val"],
                               test_rows=rows["test"])
     calls = []
-    real = audit._py
+    real = audit._id
 
     def counting(v):
         calls.append(1)
         return real(v)
 
-    monkeypatch.setattr(audit, "_py", counting)
+    monkeypatch.setattr(audit, "_id", counting)
     report = audit.audit_sweep([outcome], n_rows=n, groups={"slide": slides, "patient": patient},
                                tile_ids=(slides, tile), require_class_coverage=False)
     assert report["passed"] is True
@@ -439,11 +439,11 @@ def test_lazy_uniques_equal_eager_formatting():
         facts = [pd_factorize(p) for p in parts]
         rows_key = np.stack([f[0] for f in facts], axis=1)
         if len(parts) == 1:
-            expect_uniques = [audit._py(u) for u in facts[0][1]]
+            expect_uniques = [audit._id(u) for u in facts[0][1]]
             expect_codes = facts[0][0]
         else:  # lexicographic order of the per-part first-appearance codes
             uniq_rows, expect_codes = np.unique(rows_key, axis=0, return_inverse=True)
-            expect_uniques = [[audit._py(facts[j][1][r[j]]) for j in range(len(parts))] for r in uniq_rows]
+            expect_uniques = [[audit._id(facts[j][1][r[j]]) for j in range(len(parts))] for r in uniq_rows]
         np.testing.assert_array_equal(codes, np.asarray(expect_codes).reshape(-1))
         assert len(uniques) == len(expect_uniques)
         assert [uniques[i] for i in range(len(uniques))] == expect_uniques

@@ -10,7 +10,8 @@ is ``<root>``. Every ``import`` / ``from ... import`` in the source is read with
 
 Rules checked by ``--check`` (and by ``tests/test_layout.py``):
 
-- no circle between packages (module-level and function-level imports together);
+- no circle between packages, and none between the modules of one package (module-level,
+  ``TYPE_CHECKING`` and function-level imports together);
 - no package imports a private name (``_x``, or a private module ``_x``) of another package;
   ``cachescore._version``, ``_finite`` and the other ``cachescore._*`` shared helpers are exempt
   as modules, their members must still be public;
@@ -36,10 +37,12 @@ DEFERRED = ("numba", "pynndescent", "bokeh", "h5py", "croma", "torch", "matplotl
 
 #: Layer order, lowest first: a package may import only packages at its own level or below.
 LAYERS = [
-    {"_version", "_finite", "_jsonsafe", "_hashing", "_threads", "types"},
+    {"_version", "_finite", "_jsonsafe", "_hashing", "_threads", "types", "errors"},
+    {"fingerprint", "manifest"},
     {"store", "alignment"},
     {"cache"},
-    {"neighbors", "metrics"},
+    {"neighbors"},
+    {"metrics"},
     {"probe", "downstream"},
     {"jobs"},
     {"pipeline"},
@@ -57,8 +60,8 @@ def _package(module: str) -> str:
     return parts[1]
 
 
-def _module_name(path: Path) -> str:
-    rel = path.relative_to(SRC.parent).with_suffix("")
+def _module_name(path: Path, src: Path = SRC) -> str:
+    rel = path.relative_to(src.parent).with_suffix("")
     parts = list(rel.parts)
     if parts[-1] == "__init__":
         parts = parts[:-1]
@@ -78,7 +81,7 @@ def _resolve(module: str, is_pkg: bool, node: ast.ImportFrom) -> str:
 def scan(src: Path = SRC):
     """Yield (module, line, target module, imported names, local?, source line, line above)."""
     for path in sorted(src.rglob("*.py")):
-        module = _module_name(path)
+        module = _module_name(path, src)
         text = path.read_text()
         lines = text.splitlines()
         tree = ast.parse(text)
@@ -109,6 +112,8 @@ def _is_private(name: str) -> bool:
 
 def analyse(src: Path = SRC) -> dict:
     edges = defaultdict(set)          # package -> packages it imports
+    mod_edges = defaultdict(set)      # module -> modules it imports (within cachescore)
+    modules = {_module_name(p, src) for p in src.rglob("*.py")}
     violations = []
     local_imports = 0
     for module, line, target, names, local, src_line, above, path in scan(src):
@@ -122,6 +127,9 @@ def analyse(src: Path = SRC) -> dict:
         a, b = _package(module), _package(target)
         if not b:
             continue
+        for t in [target] + [f"{target}.{n}" for n in names]:
+            if t in modules and t != module:
+                mod_edges[module].add(t)
         # `from cachescore import x` names a sub-module (or a root re-export).
         if b == "<root>" and names:
             subs = {n for n in names if (src / n).is_dir() or (src / f"{n}.py").exists()}
@@ -146,6 +154,11 @@ def analyse(src: Path = SRC) -> dict:
     circles = _circles(edges)
     for c in circles:
         violations.append("circle: " + " -> ".join(c + [c[0]]))
+    # a package's __init__ importing its own modules is not a circle of theirs
+    inner = {m: {t for t in ts if not (t == m.rsplit(".", 1)[0])} for m, ts in mod_edges.items()}
+    module_circles = _circles(inner)
+    for c in module_circles:
+        violations.append("module circle: " + " -> ".join(c + [c[0]]))
     level = {p: i for i, layer in enumerate(LAYERS) for p in layer}
     upward = sorted((a, b) for a, bs in edges.items() for b in bs
                     if a in level and b in level and level[b] > level[a])
@@ -153,8 +166,9 @@ def analyse(src: Path = SRC) -> dict:
         violations.append(f"upward arrow: {a} -> {b}")
     sizes = defaultdict(int)
     for path in src.rglob("*.py"):
-        sizes[_package(_module_name(path))] += len(path.read_text().splitlines())
+        sizes[_package(_module_name(path, src))] += len(path.read_text().splitlines())
     return {"edges": {k: sorted(v) for k, v in sorted(edges.items())}, "circles": circles,
+            "module_circles": module_circles,
             "upward": upward, "violations": violations, "local_imports": local_imports,
             "lines": dict(sorted(sizes.items()))}
 
@@ -201,6 +215,7 @@ def main(argv=None) -> int:
     for a, bs in r["edges"].items():
         print(f"  {a:12s} -> {', '.join(bs)}")
     print(f"circles: {r['circles'] or 'none'}")
+    print(f"module circles: {r['module_circles'] or 'none'}")
     print(f"upward arrows: {r['upward'] or 'none'}")
     print(f"function-local imports: {r['local_imports']}")
     print("lines per package: " + ", ".join(f"{k} {v}" for k, v in r["lines"].items()))

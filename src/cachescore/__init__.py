@@ -7,11 +7,10 @@ The metric API mirrors croma 1.0.1 (``RI``, ``MaRI``, ``CRoMa``, ``expand_featur
 """
 
 from ._version import __version__
-
 from .alignment import expand_features_to_manifest
 from .downstream import apd, nipd, probe_sweep
 from .metrics.croma import CRoMa, CrossConfounderRobustnessMargin
-from .metrics.mari import MaRI, MarginAwareRobustnessIndex
+from .metrics.mari import MarginAwareRobustnessIndex, MaRI
 from .metrics.ri import RI, RobustnessIndex
 from .types import CRoMaResult, RobustnessResult
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .metrics._manifest import GROUP_COLUMN, normalize_manifest
+from .manifest import GROUP_COLUMN, normalize_manifest
 
 __all__ = [
     "EMBEDDING_SOURCE_COLUMNS",

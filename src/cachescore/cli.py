@@ -27,6 +27,15 @@ import json
 import sys
 from pathlib import Path
 
+from .cache import Cache, import_cache, verify_cache
+from .jobs import describe_schema, load_job
+from .pipeline import UnitKind, run_job, unit_status
+from .pipeline.probe_unit import probe_record_fingerprint, probe_record_keys
+from .pipeline.watch import watch_job
+from .report import build_report
+from .store import ResultsStore
+from .store.atomic import atomic_write_bytes
+
 __all__ = ["main", "build_parser", "format_table", "DEMO_JOB"]
 
 #: The self-contained demo job (the same content as ``jobs/demo.toml`` in the repository).
@@ -135,11 +144,9 @@ def _leaderboard(store, fingerprints: set[str]) -> str:
 
 def _record_fingerprints(plan) -> set[str]:
     """Store keys of every record of the plan's units (a probe unit has one per matrix × reduction)."""
-    from .pipeline.probe_unit import probe_record_fingerprint, probe_record_keys
-
     out = set()
     for u in plan.units:
-        if u.metric == "probe":
+        if u.kind is UnitKind.PROBE:
             out.update(probe_record_fingerprint(u.fingerprint, m, r) for m, r in probe_record_keys(u.params))
         else:
             out.add(u.fingerprint)
@@ -147,10 +154,6 @@ def _record_fingerprints(plan) -> set[str]:
 
 
 def _cmd_run(args) -> int:
-    from .jobs import load_job
-    from .pipeline import run_job
-    from .store import ResultsStore
-
     job = load_job(args.job)
     out = None if args.quiet else sys.stderr
     summary = run_job(job, scheduler=args.scheduler, out=out)
@@ -159,10 +162,7 @@ def _cmd_run(args) -> int:
           f"in {summary.seconds:.1f}s")
     if summary.report_path:
         print(f"performance report: {summary.report_path}")
-    from .pipeline import plan_job
-
-    store = ResultsStore(job.store)
-    board = _leaderboard(store, _record_fingerprints(plan_job(job, store=store)))
+    board = _leaderboard(ResultsStore(job.store), _record_fingerprints(summary.plan))
     if board and not args.quiet:
         print(board)
     if summary.failures:
@@ -178,9 +178,6 @@ def _short(text, width: int = 48) -> str:
 
 
 def _cmd_status(args) -> int:
-    from .jobs import load_job
-    from .pipeline import unit_status
-
     job = load_job(args.job)
     if not Path(job.cache).is_dir():
         print(f"cache not found: {job.cache} (run: cachescore run {args.job})", file=sys.stderr)
@@ -194,8 +191,6 @@ def _cmd_status(args) -> int:
     print(", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
     if not args.verify:
         return 0
-    from .cache import Cache, verify_cache
-
     problems = verify_cache(Cache(job.cache))
     if not problems:
         print(f"cache {job.cache}: healthy (verify found no problem)")
@@ -208,8 +203,6 @@ def _cmd_status(args) -> int:
 
 
 def _cmd_watch(args) -> int:
-    from .pipeline.watch import watch_job
-
     polls = watch_job(args.job, interval=args.interval, max_runs=args.max_runs, scheduler=args.scheduler,
                       out=sys.stderr, progress=not args.quiet)
     failed = sum(len(p.summary.failures) for p in polls if p.summary is not None)
@@ -220,8 +213,6 @@ def _cmd_watch(args) -> int:
 
 
 def _cmd_import(args) -> int:
-    from .cache import import_cache
-
     def pairs(items, flag, sep):
         out = {}
         for item in items or []:
@@ -248,14 +239,10 @@ def _cmd_import(args) -> int:
 
 
 def _cmd_demo(args) -> int:
-    from .jobs import load_job
-
     workdir = Path(args.dir).resolve()
     (workdir / "jobs").mkdir(parents=True, exist_ok=True)
     job_path = workdir / "jobs" / "demo.toml"
     if not job_path.exists():
-        from .store.atomic import atomic_write_bytes
-
         atomic_write_bytes(job_path, DEMO_JOB.encode("utf-8"), overwrite=False)
     print(f"demo job: {job_path}")
     ns = argparse.Namespace(job=str(job_path), scheduler=args.scheduler, quiet=False)
@@ -267,10 +254,6 @@ def _cmd_demo(args) -> int:
 
 
 def _cmd_report(args) -> int:
-    from .cache import Cache
-    from .jobs import load_job
-    from .report import build_report
-
     job = load_job(args.job)
     out = Path(args.out) if args.out else Path(job.store) / "report.html"
     cache = Cache(job.cache) if Path(job.cache).is_dir() else None
@@ -280,8 +263,6 @@ def _cmd_report(args) -> int:
 
 
 def _cmd_schema(args) -> int:
-    from .jobs import describe_schema
-
     print(describe_schema())
     return 0
 
@@ -353,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
-    except (ValueError, OSError, KeyError) as exc:
+    except (ValueError, OSError) as exc:  # job-level errors (ours subclass these); a bug shows its traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -44,8 +44,8 @@ CODE_VERSION_ENV = "CACHESCORE_CODE_VERSION"
 #: The scoring sources of each unit kind: dotted module or package names (a package counts with
 #: every ``.py`` file below it). Their content enters the code version of that kind's units.
 CODE_SOURCES: dict[str, tuple[str, ...]] = {
-    "score": ("cachescore.metrics", "cachescore.neighbors", "cachescore.pipeline.unit",
-              "cachescore.pipeline.large_scope", "cachescore._finite", "cachescore.types"),
+    "score": ("cachescore.metrics", "cachescore.neighbors", "cachescore.manifest", "cachescore.pipeline.unit",
+              "cachescore._finite", "cachescore._threads", "cachescore.errors", "cachescore.types"),
     "probe": ("cachescore.probe", "cachescore.pipeline.probe_unit"),
 }
 

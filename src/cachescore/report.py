@@ -36,6 +36,10 @@ from urllib.parse import quote
 import numpy as np
 import pandas as pd
 
+from .cache import Cache, CacheError
+from .store import CorruptRecordError, ResultsStore
+from .store.atomic import atomic_write_bytes
+
 __all__ = ["build_report"]
 
 #: Histogram bins per distribution panel.
@@ -259,7 +263,6 @@ def _leaderboard_html(groups: list[dict]) -> str:
 
 
 def _distributions_html(store, groups: list[dict], bins: int) -> str:
-    from .store import CorruptRecordError
 
     if not groups:
         return "<p class='muted'>No per-unit values.</p>"
@@ -419,7 +422,6 @@ def _provenance_html(store, scores: pd.DataFrame, out_html: Path) -> str:
 
 
 def _cache_html(cache, scores: pd.DataFrame) -> str:
-    from .cache import Cache, CacheError
 
     cache = cache if isinstance(cache, Cache) else Cache(cache)
     try:
@@ -481,8 +483,6 @@ def build_report(store_path, out_html, *, cache=None, bins: int = HIST_BINS) -> 
     ``ValueError`` for ``bins < 1``. A record whose per-unit table is corrupt is reported in the
     page, not raised.
     """
-    from .store import ResultsStore
-    from .store.atomic import atomic_write_bytes
 
     store_path, out_html = Path(store_path), Path(out_html)
     if not (store_path / "store.json").is_file():

@@ -26,11 +26,17 @@ from typing import Mapping
 import numpy as np
 import pandas as pd
 
-from ..metrics._manifest import coerce_manifest
+from ..manifest import coerce_manifest
 from .errors import AlignmentError, CacheError, CacheNotFoundError, LayoutError
 from .layout import FLOAT_DTYPES, check_name
 from .reader import Cache
-from .writer import _rows, normalize_ids, write_embeddings_blocks, write_tileset, write_view
+from .writer import (
+    _rows,
+    normalize_ids,
+    write_embeddings_blocks,
+    write_tileset,
+    write_view,
+)
 
 __all__ = ["import_cache", "LAYOUTS"]
 

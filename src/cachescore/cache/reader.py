@@ -13,15 +13,16 @@ import json
 import time
 from pathlib import Path
 
+import dask.array as da
 import numpy as np
-
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
+from dask.base import tokenize
+from dask.highlevelgraph import HighLevelGraph
 
 from .._finite import nonfinite_rows
 from .._hashing import sha256_file
-
 from .errors import (
     AlignmentError,
     CacheNotFoundError,
@@ -44,7 +45,14 @@ from .layout import (
     view_table_path,
 )
 from .shards import gather_rows, open_shard, read_shard_rows
-from .writer import VIEW_REQUIRED, _rows, blank_rows, default_shard_rows, normalize_ids, sample_ids_digest
+from .writer import (
+    VIEW_REQUIRED,
+    _rows,
+    blank_rows,
+    default_shard_rows,
+    normalize_ids,
+    sample_ids_digest,
+)
 
 __all__ = ["Cache"]
 
@@ -68,8 +76,6 @@ def _view_mismatch(view: str, table: Path, sidecar: Path, attempts: int) -> View
 
 
 def _dask_array(name: str, tasks: list, chunks: tuple, dtype: np.dtype):
-    import dask.array as da
-    from dask.highlevelgraph import HighLevelGraph
 
     dsk = {(name, i, 0): task for i, task in enumerate(tasks)}
     graph = HighLevelGraph.from_collections(name, dsk, dependencies=())
@@ -281,7 +287,6 @@ class Cache:
         raises :class:`ShardNotFoundError` / :class:`ShardError` when its chunk is computed (use
         :meth:`validate_embeddings` to check up front).
         """
-        from dask.base import tokenize
 
         meta = self.meta(encoder, tileset)
         if chunk_rows is not None and int(chunk_rows) < 1:
@@ -306,7 +311,6 @@ class Cache:
         ``read_view(view)["row"][i]`` (rows may repeat). Chunked along rows only, ``chunk_rows``
         per chunk (default about 128 MiB); each task gathers its rows from the shards it touches.
         """
-        from dask.base import tokenize
 
         spec = self.view_spec(view)
         rows = self.read_view(view)["row"].to_numpy(dtype=np.int64)
@@ -315,13 +319,11 @@ class Cache:
 
     def rows_embeddings(self, encoder: str, tileset: str, rows, *, chunk_rows: int | None = None):
         """Lazy ``dask.array`` of tileset rows ``rows`` (int64 positions, any order, repeats allowed)."""
-        from dask.base import tokenize
 
         rows = np.asarray(rows, dtype=np.int64)
         return self._rows_array(encoder, tileset, rows, chunk_rows=chunk_rows, token=tokenize(rows))
 
     def _rows_array(self, encoder, tileset, rows, *, chunk_rows, token):
-        from dask.base import tokenize
 
         meta = self.meta(encoder, tileset)
         if rows.ndim != 1:

@@ -27,7 +27,6 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-
 from .._threads import single_thread_blas
 from ..store.atomic import atomic_write_json
 from .writer import write_embeddings, write_embeddings_blocks, write_tileset, write_view

@@ -19,11 +19,18 @@ import numpy as np
 
 from .._finite import nonfinite_rows
 from .._hashing import sha256_file
-
 from .errors import CacheError, ShardNotFoundError, ViewChecksumError
+from .layout import (
+    check_name,
+    embeddings_dir,
+    meta_path,
+    parse_meta,
+    tiles_path,
+    view_sidecar_path,
+    view_table_path,
+)
 from .reader import Cache
 from .shards import open_shard
-from .layout import check_name, embeddings_dir, meta_path, parse_meta, tiles_path, view_sidecar_path, view_table_path
 from .writer import _rows, sample_ids_digest
 
 __all__ = ["Problem", "PROBLEM_KINDS", "verify_cache"]

@@ -16,14 +16,25 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-
-from .._finite import nonfinite_rows
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..store.atomic import PARTIAL_SUFFIX, atomic_replace_dir, atomic_write, atomic_write_json
-from .errors import AlignmentError, CacheError, CacheNotFoundError, LayoutError, NonFiniteError, ViewError
+from .._finite import nonfinite_rows
+from ..store.atomic import (
+    PARTIAL_SUFFIX,
+    atomic_replace_dir,
+    atomic_write,
+    atomic_write_json,
+)
+from .errors import (
+    AlignmentError,
+    CacheError,
+    CacheNotFoundError,
+    LayoutError,
+    NonFiniteError,
+    ViewError,
+)
 from .layout import (
     FLOAT_DTYPES,
     META_FORMAT,

@@ -18,7 +18,7 @@ Layout of a job file (``schema_version = 1``)::
     [execution]  n_workers, memory_limit, retries, large_unit_drivers, dashboard, performance_report,
                  scheduler
     [probe]      optional PathoROB probe sweep per encoder × probe view; its keys are
-                 :data:`cachescore.pipeline.probe_unit.PROBE_KEYS`, validated by ``ProbeParams``
+                 :data:`cachescore.probe.params.PROBE_KEYS`, validated by ``ProbeParams``
 
 Relative paths (``job.cache``, ``job.store``) are resolved against the job file's folder, so a
 job file can travel with its cache. ``print(describe_schema())`` lists every key.
@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..neighbors.registry import DEFAULT_AUTO_THRESHOLD
+from ..probe.params import PROBE_KEYS, ProbeParams
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -237,7 +238,7 @@ class Job:
     execution: dict = field(default_factory=dict)
     #: The normalised document (all keys, defaults filled), as recorded in provenance.
     document: dict = field(default_factory=dict)
-    #: Probe-sweep parameters (:class:`cachescore.pipeline.probe_unit.ProbeParams`) from the
+    #: Probe-sweep parameters (:class:`cachescore.probe.params.ProbeParams`) from the
     #: optional ``[probe]`` table; None when the job runs no probe sweep.
     probe: Any = None
     #: Where probe evaluation bundles go (absolute).
@@ -254,8 +255,6 @@ def describe_schema() -> str:
         for name, key in keys.items():
             default = "(required)" if key.default is None else repr(key.default)
             lines.append(f"  {name} = {default}  # {key.doc}")
-    from ..pipeline.probe_unit import PROBE_KEYS
-
     lines.append("[probe]  (optional; '*' = required when the table is present)")
     for name, doc in PROBE_KEYS.items():
         lines.append(f"  {name}  # {doc}")
@@ -355,8 +354,6 @@ def parse_job(doc: dict, *, path: str | Path | None = None) -> Job:
     document = {"schema_version": SCHEMA_VERSION, **full}
     probe = None
     if "probe" in doc:
-        from ..pipeline.probe_unit import ProbeParams
-
         try:
             probe = ProbeParams.from_dict(doc["probe"], source=src, prefix="probe")
         except ValueError as exc:

@@ -14,7 +14,7 @@ from one counting pass (§7.10) instead of by growing a window; ``compute_with(.
 schedule_diagnostics=False)`` skips that pass (an O(n²·d) GEMM pass, impossible for huge ANN
 scopes) and reports them as :data:`SCHEDULE_NOT_COMPUTED` (-1). Both passes are injectable
 (``typed_search``, ``count_search``), e.g. with the Dask-distributed twins of
-:mod:`cachescore.pipeline.blocked_search`.
+:mod:`cachescore.neighbors.blocked`.
 
 Total support is a contract: any unit without ``m`` SO and ``m`` OS neighbours, or with a zero
 denominator, raises ``RuntimeError`` and no result is returned (§7.5).
@@ -28,10 +28,22 @@ from functools import partial
 
 import numpy as np
 
+from ..manifest import (
+    Scope,
+    check_features,
+    check_finite_rows,
+    coerce_manifest,
+    normalize_design,
+    prepare,
+)
 from ..neighbors.normalize import normalize_rows
-from ..neighbors.typed import count_within, search_threads, typed_knn, typed_knn_and_counts
+from ..neighbors.typed import (
+    count_within,
+    search_threads,
+    typed_knn,
+    typed_knn_and_counts,
+)
 from ..types import CRoMaResult
-from ._manifest import Scope, check_features, check_finite_rows, coerce_manifest, normalize_design, prepare
 from .tail import compute_tail_metrics, confounder_dominant_fraction
 
 __all__ = ["CROMA_HEADLINE_M", "SCHEDULE_NOT_COMPUTED", "CrossConfounderRobustnessMargin", "CRoMa", "croma_schedule", "TypedSearch"]
@@ -260,7 +272,7 @@ class CrossConfounderRobustnessMargin:
 
         ``count_search(u, groups, radius) -> counts`` replaces the counting pass's kernel
         (default :func:`cachescore.neighbors.typed.count_within`, whose contract it must honour),
-        e.g. ``cachescore.pipeline.blocked_search.make_search(client, "count")``. With the default
+        e.g. ``cachescore.neighbors.blocked.make_search(client, "count")``. With the default
         backends (``typed_search is typed_knn``, no ``count_search``) both passes run fused
         (:func:`~cachescore.neighbors.typed.typed_knn_and_counts`): the typed cell pairs' GEMMs
         serve the count too.

@@ -21,7 +21,13 @@ from ..neighbors.exact import cross_group_knn
 from ..types import RobustnessResult
 from .kselect import normalize_k_values
 from .ri import _Evaluation
-from .tau import TAU_FALLBACK, assess_tau, collapsed_message, format_tau_warning, no_typed_neighbour_message
+from .tau import (
+    TAU_FALLBACK,
+    assess_tau,
+    collapsed_message,
+    format_tau_warning,
+    no_typed_neighbour_message,
+)
 
 __all__ = ["MarginAwareRobustnessIndex", "MaRI", "TAU_FALLBACK"]
 

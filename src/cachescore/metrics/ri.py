@@ -22,10 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..neighbors.exact import cross_group_knn
-from ..neighbors.normalize import normalize_rows
-from ..types import RobustnessResult
-from ._manifest import (
+from ..manifest import (
     Scope,
     build_scopes,
     check_features,
@@ -35,7 +32,15 @@ from ._manifest import (
     normalize_design,
     normalize_manifest,
 )
-from .kselect import balanced_accuracy_by_k, normalize_k_values, select_k_all, select_k_paired
+from ..neighbors.exact import cross_group_knn
+from ..neighbors.normalize import normalize_rows
+from ..types import RobustnessResult
+from .kselect import (
+    balanced_accuracy_by_k,
+    normalize_k_values,
+    select_k_all,
+    select_k_paired,
+)
 from .tail import compute_tail_metrics
 from .windows import (
     TINY,

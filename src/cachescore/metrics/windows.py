@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..manifest import Scope
 from ..neighbors.exact import farthest_rows
-from ._manifest import Scope
+from ..neighbors.fetch import MIN_NEIGHBOR_BUFFER, is_capped
 
 __all__ = [
     "MIN_NEIGHBOR_BUFFER",
@@ -45,8 +46,6 @@ __all__ = [
     "ratio_from_log",
 ]
 
-#: The reference's minimum fetch buffer beyond ``kmax`` (``B = max(64, G)``).
-MIN_NEIGHBOR_BUFFER = 64
 #: Smallest normal float64; below it MaRI switches from linear to log-space ratios (spec §6.1).
 TINY = float(np.finfo(np.float64).tiny)
 #: Entries (rows x window width) per block for per-unit computations: ~32 MiB per int64 array.
@@ -59,11 +58,6 @@ def row_block(width: int) -> int:
 
 # Neighbour type codes in the type matrix.
 SO, OS, SS, OO, PAD = 0, 1, 2, 3, -1
-
-
-def is_capped(kmax: int, n: int, max_group_size: int) -> bool:
-    """True when the reference's fetch for ``kmax`` hits ``n - 1`` (spec §3.2)."""
-    return int(kmax) + max(MIN_NEIGHBOR_BUFFER, int(max_group_size)) >= int(n) - 1
 
 
 @dataclass

@@ -47,9 +47,25 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .exact import cross_group_knn
 from .normalize import cosine_distance_block
+from .partition import (
+    spherical_kmeans,  # partition imports this module's merge kernel
+)
+from .recall import (
+    RecallTargetError,
+    calibrate_fraction,
+    check_positive_int,
+    distance_tol,
+    recall_counts,
+    sample_queries,
+    seed_of,
+)
+from .topk import merge_tables, merge_tile, topk
+from .typed import typed_knn
 
 __all__ = [
+    "AnnSearch",
     "distance_tol",
     "GATHER_BYTES",
     "RecallTargetError",
@@ -67,18 +83,6 @@ __all__ = [
     "measure_typed_recall",
 ]
 
-def distance_tol(dtype, d: int) -> float:
-    """Absolute slack between two computations of one pair distance: ``sqrt(d) · eps(dtype)``.
-
-    Two kernels (a GEMM in the exact engines, a batched dot product here) sum the ``d`` products in
-    different orders; each result carries a rounding error of order ``sqrt(d) · eps/2`` for unit
-    rows. Measured max |GEMM - exact| on clustered float32 rows: 4.2e-7 (d=96), 7.7e-7 (d=384),
-    5.2e-7 (d=768), so spec §12.3's "~4e-7" holds only for small d; this bound is 2-4× the
-    measured maxima (1.2e-6, 2.3e-6, 3.3e-6 for float32; 1.8e-15-6e-15 for float64).
-    """
-    return float(np.sqrt(max(int(d), 1)) * np.finfo(np.dtype(dtype)).eps)
-
-
 #: Upper bound (bytes) of the gathered candidate rows ``u[cand]`` held at once in a query block.
 GATHER_BYTES = 64 * 2**20
 
@@ -94,18 +98,6 @@ QUERY_BLOCK = 16384
 
 #: Scopes with at most this many rows are searched by brute force (a graph would not pay off).
 BRUTE_MAX_ROWS = 2048
-
-
-class RecallTargetError(RuntimeError):
-    """The measured recall stayed below the target after every widening round."""
-
-    @classmethod
-    def after_rounds(cls, search: str, recall: float, target: float, n_audit: int, rounds: int, detail: str,
-                     remedy: str = "max_rounds") -> "RecallTargetError":
-        """The error every widening search raises, one wording: ``search`` names it, ``detail``
-        its size and last setting, ``remedy`` the option that widens further."""
-        return cls(f"{search} reached recall {recall:.4f} < target {target} on {n_audit} sampled rows after "
-                   f"{rounds} widening round(s) ({detail}); raise {remedy} or use backend='exact'")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,12 +167,6 @@ def _check_codes(name: str, a, n: int) -> np.ndarray:
     return a.astype(np.int64, copy=False)
 
 
-def _check_positive_int(name: str, v) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or int(v) < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-    return int(v)
-
-
 def _check_target(recall_target) -> float:
     t = float(recall_target)
     if not 0.0 < t <= 1.0:
@@ -188,54 +174,8 @@ def _check_target(recall_target) -> float:
     return t
 
 
-def _seed(random_state) -> int | None:
-    """An int seed for pynndescent and the audit sample from an int, a Generator or None."""
-    if random_state is None:
-        return None
-    if isinstance(random_state, np.random.Generator):
-        return int(random_state.integers(0, 2**31 - 1))
-    if isinstance(random_state, np.random.RandomState):
-        return int(random_state.randint(0, 2**31 - 1))
-    return int(random_state)
-
-
 # --------------------------------------------------------------------------------------------
 # kernels (numpy in, numpy out)
-
-
-def _topk(dist: np.ndarray, idx: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per row, the k entries smallest by ``(dist, idx)``; +inf entries come out as (-1, +inf).
-
-    ``dist`` (b, w) float64 with +inf for invalid entries, ``idx`` (b, w) int64. Returns (b, k).
-    Exact under ties: the partition threshold keeps every entry equal to the k-th value.
-    """
-    b, w = dist.shape
-    out_i = np.full((b, k), -1, dtype=np.int64)
-    out_d = np.full((b, k), np.inf, dtype=np.float64)
-    if b == 0 or w == 0:
-        return out_i, out_d
-    if w > 4 * k:
-        thr = np.partition(dist, k - 1, axis=1)[:, k - 1 : k]
-        r, c = np.nonzero(dist <= thr)
-        d = dist[r, c]
-        i = idx[r, c]
-    else:
-        r = np.repeat(np.arange(b), w)
-        d = dist.ravel()
-        i = idx.ravel()
-    order = np.lexsort((i, d, r))
-    r, d, i = r[order], d[order], i[order]
-    start = np.searchsorted(r, np.arange(b))
-    rank = np.arange(r.size) - start[r]
-    keep = (rank < k) & np.isfinite(d)
-    out_i[r[keep], rank[keep]] = i[keep]
-    out_d[r[keep], rank[keep]] = d[keep]
-    return out_i, out_d
-
-
-def _merge(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray], k: int):
-    """Merge two (idx, dist) top lists of disjoint candidates into one top-k by (dist, idx)."""
-    return _topk(np.concatenate([a[1], b[1]], axis=1), np.concatenate([a[0], b[0]], axis=1), k)
 
 
 def _refine(u, groups, qrows, cand, k):
@@ -261,7 +201,7 @@ def _refine(u, groups, qrows, cand, k):
         np.clip(dots, 0, 2, out=dots)
         d = dots.astype(np.float64)
         d[bad] = np.inf
-        out_i[s : s + step], out_d[s : s + step] = _topk(d, safe, k)
+        out_i[s : s + step], out_d[s : s + step] = topk(d, safe, k)
     return out_i, out_d
 
 
@@ -321,7 +261,7 @@ class _Scope:
         self.brute = brute or rows.size <= max(BRUTE_MAX_ROWS, 2 * n_neighbors)
         self.index = None
         if not self.brute:
-            from pynndescent import NNDescent
+            from pynndescent import NNDescent  # deferred: importing pynndescent compiles numba kernels (seconds)
 
             if rows.size == self.z.shape[0] and self.z.dtype == np.float32:
                 data = self.z  # pynndescent makes its own normalised float32 copy
@@ -415,7 +355,7 @@ def exact_knn_rows(u, groups, rows, kmax):
     """
     u = _check_u(u)
     groups = _check_codes("groups", groups, u.shape[0])
-    kmax = _check_positive_int("kmax", kmax)
+    kmax = check_positive_int("kmax", kmax)
     return _brute(u, groups, np.asarray(rows, dtype=np.int64), np.arange(u.shape[0]), kmax)
 
 
@@ -430,7 +370,7 @@ def exact_typed_rows(u, labels, confounders, groups, rows, m, *, block=BRUTE_BLO
     labels = _check_codes("labels", labels, n)
     confounders = _check_codes("confounders", confounders, n)
     groups = _check_codes("groups", groups, n)
-    m = _check_positive_int("m", m)
+    m = check_positive_int("m", m)
     rows = np.asarray(rows, dtype=np.int64)
     so = (np.full((rows.size, m), -1, np.int64), np.full((rows.size, m), np.inf))
     os_ = (np.full((rows.size, m), -1, np.int64), np.full((rows.size, m), np.inf))
@@ -445,25 +385,9 @@ def exact_typed_rows(u, labels, confounders, groups, rows, m, *, block=BRUTE_BLO
             d[groups[q][:, None] == grp] = np.inf
             lq, cq = labels[q][:, None], confounders[q][:, None]
             same_l, same_c = lab == lq, con == cq
-            _merge_tile(so[0][s : s + block], so[1][s : s + block], np.where(same_l & ~same_c, d, np.inf), ids, m)
-            _merge_tile(os_[0][s : s + block], os_[1][s : s + block], np.where(~same_l & same_c, d, np.inf), ids, m)
+            merge_tile(so[0][s : s + block], so[1][s : s + block], np.where(same_l & ~same_c, d, np.inf), ids, m)
+            merge_tile(os_[0][s : s + block], os_[1][s : s + block], np.where(~same_l & same_c, d, np.inf), ids, m)
     return so, os_
-
-
-def _recall_counts(found_dist, true_dist, tol):
-    """(hits, total) of the tie-robust recall: per row, found distances ``<= r + tol`` (capped
-    at the number of true neighbours) where r is the row's last finite true distance."""
-    true_valid = np.isfinite(true_dist)
-    n_true = true_valid.sum(axis=1)
-    r = np.where(n_true > 0, np.where(true_valid, true_dist, -np.inf).max(axis=1), -np.inf)
-    hits = np.minimum((found_dist <= r[:, None] + tol).sum(axis=1), n_true)
-    return int(hits.sum()), int(n_true.sum())
-
-
-def _sample(n, n_queries, random_state) -> np.ndarray:
-    n_queries = _check_positive_int("n_queries", n_queries)
-    rng = np.random.default_rng(_seed(random_state))
-    return np.sort(rng.choice(n, size=min(n, n_queries), replace=False)).astype(np.int64)
 
 
 def measure_recall(u, groups, idx, *, n_queries=1000, random_state=0, search=None) -> float:
@@ -480,11 +404,11 @@ def measure_recall(u, groups, idx, *, n_queries=1000, random_state=0, search=Non
     idx = np.asarray(idx)
     if idx.ndim != 2 or idx.shape[0] != n:
         raise ValueError(f"idx must have shape ({n}, kmax), got {idx.shape}")
-    rows = _sample(n, n_queries, random_state)
+    rows = sample_queries(n, n_queries, random_state)
     search = exact_knn_rows if search is None else search
     _, true_d = search(u, groups, rows, idx.shape[1])
     _, found_d = _refine(u, groups, rows, np.asarray(idx[rows], dtype=np.int64), idx.shape[1])
-    hits, total = _recall_counts(found_d, np.asarray(true_d, dtype=np.float64), distance_tol(u.dtype, u.shape[1]))
+    hits, total = recall_counts(found_d, np.asarray(true_d, dtype=np.float64), distance_tol(u.dtype, u.shape[1]))
     return 1.0 if total == 0 else hits / total
 
 
@@ -501,11 +425,11 @@ def measure_typed_recall(
     so_dist, os_dist = np.asarray(so_dist), np.asarray(os_dist)
     if so_dist.shape != os_dist.shape or so_dist.ndim != 2 or so_dist.shape[0] != u.shape[0]:
         raise ValueError(f"so_dist and os_dist must both have shape ({u.shape[0]}, m)")
-    rows = _sample(u.shape[0], n_queries, random_state)
+    rows = sample_queries(u.shape[0], n_queries, random_state)
     (_, t_so), (_, t_os) = exact_typed_rows(u, labels, confounders, groups, rows, so_dist.shape[1])
     tol = distance_tol(u.dtype, u.shape[1])
-    h1, n1 = _recall_counts(so_dist[rows], t_so, tol)
-    h2, n2 = _recall_counts(os_dist[rows], t_os, tol)
+    h1, n1 = recall_counts(so_dist[rows], t_so, tol)
+    h2, n2 = recall_counts(os_dist[rows], t_os, tol)
     return 1.0 if n1 + n2 == 0 else (h1 + h2) / (n1 + n2)
 
 
@@ -541,7 +465,6 @@ class _Partition:
     def __init__(self, u, n_clusters, seed, *, sample=None, iters=8, block=65536, keep_scores=False):
         n, d = u.shape
         c = int(max(1, min(n_clusters, n)))
-        from .partition import spherical_kmeans  # partition imports this module's merge kernel
 
         rng = np.random.default_rng(seed)
         size = min(n, int(sample) if sample else max(20000, 40 * c))
@@ -577,83 +500,9 @@ class _Partition:
         return sel[sizes[sel] > 0]
 
 
-#: :func:`_merge_tile` tightens its per-row threshold when more than this many × k entries per
-#: row (on average) would pass it, bounding its candidate arrays by the tile's rows × k.
-_MERGE_CANDIDATES = 4
-
-
-def _merge_tile(bi, bd, dist, tids, k):
-    """Merge a distance tile ``dist`` (b, w) (+inf = not eligible) over target rows ``tids`` (w,)
-    into the running top-k ``bi`` / ``bd`` (b, k) by (dist, idx), in place. An entry farther than
-    the row's current k-th distance is dropped before any sort (ties with it are kept), and so is
-    every ``+inf`` entry (a row with fewer than k eligible entries so far has threshold ``+inf``,
-    and ``inf <= inf`` must not turn its whole masked row into candidates)."""
-    thr = bd[:, k - 1].astype(dist.dtype)
-    if dist.shape[1] > k and not np.isfinite(thr).all():
-        thr = np.minimum(thr, np.partition(dist, k - 1, axis=1)[:, k - 1])
-    np.minimum(thr, np.finfo(dist.dtype).max, out=thr)
-    b, w = dist.shape
-    passing = dist <= thr[:, None]
-    if w > k and np.count_nonzero(passing) > _MERGE_CANDIDATES * b * k:
-        # a tile much closer than the rows' current k-th neighbours: keep each row's own k best
-        # (ties included) so the candidate arrays stay O(b k), not O(b w)
-        thr = np.minimum(thr, np.partition(dist, k - 1, axis=1)[:, k - 1])
-        passing = dist <= thr[:, None]
-    flat = np.flatnonzero(passing)
-    del passing
-    if flat.size == 0:
-        return
-    r = flat // w
-    c = flat - r * w
-    if dist.dtype == np.float32:
-        ib = max(int(tids.max(initial=0)), int(bi.max(initial=0)), 1).bit_length() + 1
-        rb = max(1, (b - 1).bit_length())
-        if rb + 31 + ib <= 64:
-            _merge_keys(bi, bd, np.ravel(dist)[flat], r, tids[c], k, ib)
-            return
-    rows = np.concatenate([np.repeat(np.arange(b), k), r])
-    dd = np.concatenate([bd.ravel(), dist[r, c].astype(np.float64)])
-    ii = np.concatenate([bi.ravel(), tids[c]])
-    order = np.lexsort((ii, dd, rows))
-    rows, dd, ii = rows[order], dd[order], ii[order]
-    rank = np.arange(rows.size) - np.searchsorted(rows, np.arange(b))[rows]
-    keep = (rank < k) & np.isfinite(dd)
-    bi[:] = -1
-    bd[:] = np.inf
-    bi[rows[keep], rank[keep]] = ii[keep]
-    bd[rows[keep], rank[keep]] = dd[keep]
-
-
-def _merge_keys(bi, bd, new_d, new_r, new_i, k, ib):
-    """float32 fast path of :func:`_merge_tile`: (row, distance, index) packed into one uint64
-    (row · 2^(31+ib) + float32 bits · 2^ib + index; the bits of a non-negative float32 order like
-    its value), so one ``np.sort`` replaces a three-key ``lexsort``. Exact: same result."""
-    b = bi.shape[0]
-    u64 = np.uint64
-    sh_d, sh_r = u64(ib), u64(31 + ib)
-    pad = (1 << ib) - 1
-    acc_bits = bd.astype(np.float32).view(np.uint32).astype(u64) & u64(0x7FFFFFFF)
-    acc = (np.repeat(np.arange(b, dtype=u64), bi.shape[1]) << sh_r) | (acc_bits.ravel() << sh_d) | np.where(
-        bi < 0, pad, bi
-    ).astype(u64).ravel()
-    new = (new_r.astype(u64) << sh_r) | ((new_d.view(np.uint32).astype(u64) & u64(0x7FFFFFFF)) << sh_d) | new_i.astype(u64)
-    keys = np.concatenate([acc, new])
-    keys.sort()
-    rows = (keys >> sh_r).astype(np.int64)
-    rank = np.arange(rows.size) - np.searchsorted(rows, np.arange(b))[rows]
-    keep = rank < k
-    keys, rows, rank = keys[keep], rows[keep], rank[keep]
-    d = ((keys >> sh_d) & u64(0x7FFFFFFF)).astype(np.uint32).view(np.float32)
-    fin = np.isfinite(d)
-    bi[:] = -1
-    bd[:] = np.inf
-    bi[rows[fin], rank[fin]] = (keys[fin] & u64(pad)).astype(np.int64)
-    bd[rows[fin], rank[fin]] = d[fin]
-
-
 def _knn_into(u, groups, qrows, trows, k, best_i, best_d, *, tq=IVF_TILE_Q, tt=IVF_TILE_T):
     """Merge the exact top-k by (dist, idx) of ``qrows`` over ``trows`` (other-group rows only)
-    into ``best_i`` / ``best_d`` (|q|, k), in place, by blocked GEMMs (:func:`_merge_tile`)."""
+    into ``best_i`` / ``best_d`` (|q|, k), in place, by blocked GEMMs (:func:`merge_tile`)."""
     if qrows.size == 0 or trows.size == 0:
         return
     gq_all = groups[qrows]
@@ -666,7 +515,7 @@ def _knn_into(u, groups, qrows, trows, k, best_i, best_d, *, tq=IVF_TILE_Q, tt=I
             uq = uq_all[s : s + tq] if uq_all is not None else np.asarray(u[qrows[s : s + tq]])
             dist = cosine_distance_block(uq, ut)
             dist[gq_all[s : s + tq, None] == gt[None, :]] = np.inf
-            _merge_tile(best_i[s : s + tq], best_d[s : s + tq], dist, tids, k)
+            merge_tile(best_i[s : s + tq], best_d[s : s + tq], dist, tids, k)
 
 
 def _ivf_cross(u, groups, part, frac, k, queries=None):
@@ -750,7 +599,7 @@ def _ivf_typed(u, groups, part, cells, thr, m, queries=None):
                 bi = np.full((q.size, m), -1, np.int64)
                 bd = np.full((q.size, m), np.inf)
                 _knn_into(u, groups, q, tr, m, bi, bd)
-                acc[0][at], acc[1][at] = _merge((acc[0][at], acc[1][at]), (bi, bd), m)
+                acc[0][at], acc[1][at] = merge_tables((acc[0][at], acc[1][at]), (bi, bd), m)
     return so, os_
 
 
@@ -766,56 +615,32 @@ def _probe_levels(part, fractions, sizes):
     return lev
 
 
-def _calibrate(levels, true_idx, true_dist, tol, target, fractions):
-    """Smallest probe fraction whose recall on calibration rows reaches ``target`` (1.0 if none).
-
-    ``true_idx`` / ``true_dist`` (q, k): the exact answers of the calibration rows (one pair per
-    type); ``levels`` (q, k) int the probe level of each true neighbour (see
-    :func:`_probe_levels`). A search at fraction ``f_i`` finds every true neighbour of level
-    ``<= i`` (it searches the probed rows exactly), so its tie-robust hits are
-    ``min(n_true, #level <= i)``; rows tied with the k-th beyond the table are not counted, which
-    can only under-state the recall.
-    """
-    for i, f in enumerate(fractions):
-        hits = total = 0
-        for lev, ti, td in zip(levels, true_idx, true_dist):
-            valid = (ti >= 0) & np.isfinite(td)
-            n_true = valid.sum(axis=1)
-            hits += int(np.minimum(n_true, ((lev <= i) & valid).sum(axis=1)).sum())
-            total += int(n_true.sum())
-        if total == 0 or hits / total >= target:
-            return f
-    del tol
-    return 1.0
-
-
 def _ivf_cross_search(u, groups, kmax, *, target, seed, n_recall_queries, n_clusters, probe_fraction,
                       max_rounds, brute_block):
     n = u.shape[0]
     part = _Partition(u, n_clusters or math.ceil(n / IVF_ROWS_PER_CLUSTER), seed)
     tol = distance_tol(u.dtype, u.shape[1])
-    audit = _sample(n, n_recall_queries, seed)
+    audit = sample_queries(n, n_recall_queries, seed)
     calib_seed = None if seed is None else seed + 1
     if probe_fraction is None:
-        calib = _sample(n, max(2 * n_recall_queries, 2000), calib_seed)
+        calib = sample_queries(n, max(2 * n_recall_queries, 2000), calib_seed)
         # calibrate to a margin above the target: the audit is a different, independent sample
         want = min(1.0, target + 0.5 * (1.0 - target))
         c_idx, c_dist = _brute(u, groups, calib, np.arange(n, dtype=np.int64), kmax, block=brute_block)
         sizes = np.array([mb.size for mb in part.members])
         lev = _probe_levels(part, IVF_FRACTIONS, sizes)[part.cluster[calib][:, None], part.cluster[np.maximum(c_idx, 0)]]
-        frac = _calibrate([lev], [c_idx], [c_dist], tol, want, IVF_FRACTIONS)
+        frac = calibrate_fraction([lev], [c_idx], [c_dist], tol, want, IVF_FRACTIONS)
     else:
         frac = float(probe_fraction)
     rounds = 0
     while True:
         if frac > IVF_EXACT_FRACTION:
-            from .exact import cross_group_knn
 
             idx, dist = cross_group_knn(u, groups, kmax)
             return idx, dist, 1.0, 0, rounds, 1.0, True, part.n_clusters
         idx, dist = _ivf_cross(u, groups, part, frac, kmax)
         _, true_d = _brute(u, groups, audit, np.arange(n, dtype=np.int64), kmax, block=brute_block)
-        hits, total = _recall_counts(dist[audit], true_d, tol)
+        hits, total = recall_counts(dist[audit], true_d, tol)
         recall = 1.0 if total == 0 else hits / total
         if recall >= target:
             return idx, dist, recall, int(audit.size), rounds, frac, False, part.n_clusters
@@ -830,12 +655,12 @@ def _ivf_typed_search(u, labels, confounders, groups, m, *, target, seed, n_reca
     n = u.shape[0]
     part = _Partition(u, n_clusters or math.ceil(n / IVF_ROWS_PER_CLUSTER), seed, keep_scores=True)
     tol = distance_tol(u.dtype, u.shape[1])
-    audit = _sample(n, n_recall_queries, seed)
+    audit = sample_queries(n, n_recall_queries, seed)
     calib_seed = None if seed is None else seed + 1
     cells = _cells(labels, confounders)
     _, cell_of, members = cells
     if probe_fraction is None:
-        calib = _sample(n, max(2 * n_recall_queries, 2000), calib_seed)
+        calib = sample_queries(n, max(2 * n_recall_queries, 2000), calib_seed)
         want = min(1.0, target + 0.5 * (1.0 - target))
         thr = _typed_thresholds(part.scores, members, IVF_FRACTIONS)
         (s_i, s_d), (o_i, o_d) = exact_typed_rows(u, labels, confounders, groups, calib, m)
@@ -845,21 +670,20 @@ def _ivf_typed_search(u, labels, confounders, groups, m, *, target, seed, n_reca
             x = np.maximum(ti, 0)
             # level = number of fractions whose threshold the true neighbour misses
             levels.append((part.scores[x, qa][..., None] < thr[qa, cell_of[x]]).sum(axis=-1))
-        frac = _calibrate(levels, [s_i, o_i], [s_d, o_d], tol, want, IVF_FRACTIONS)
+        frac = calibrate_fraction(levels, [s_i, o_i], [s_d, o_d], tol, want, IVF_FRACTIONS)
     else:
         frac = float(probe_fraction)
     rounds = 0
     while True:
         if frac > IVF_TYPED_EXACT_FRACTION:
-            from .typed import typed_knn
 
             so_d, os_d = typed_knn(u, labels, confounders, groups, m)
             return so_d, os_d, 1.0, 0, rounds, 1.0, True
         thr = _typed_thresholds(part.scores, members, [frac])[:, :, 0]
         so, os_ = _ivf_typed(u, groups, part, cells, thr, m)
         (_, t_so), (_, t_os) = exact_typed_rows(u, labels, confounders, groups, audit, m)
-        h1, n1 = _recall_counts(so[1][audit], t_so, tol)
-        h2, n2 = _recall_counts(os_[1][audit], t_os, tol)
+        h1, n1 = recall_counts(so[1][audit], t_so, tol)
+        h2, n2 = recall_counts(os_[1][audit], t_os, tol)
         recall = 1.0 if n1 + n2 == 0 else (h1 + h2) / (n1 + n2)
         if recall >= target:
             return so[1], os_[1], recall, int(audit.size), rounds, frac, False
@@ -877,7 +701,7 @@ def _check_method(method, n_clusters, probe_fraction):
     if method not in ("ivf", "graph"):
         raise ValueError(f"method must be 'ivf' or 'graph', got {method!r}")
     if n_clusters is not None:
-        _check_positive_int("n_clusters", n_clusters)
+        check_positive_int("n_clusters", n_clusters)
     if probe_fraction is not None and not 0.0 < float(probe_fraction) <= 1.0:
         raise ValueError(f"probe_fraction must be in (0, 1], got {probe_fraction!r}")
 
@@ -885,7 +709,7 @@ def _check_method(method, n_clusters, probe_fraction):
 def _proxy(u, proxy_dim, seed):
     if proxy_dim is None:
         return None
-    proxy_dim = _check_positive_int("proxy_dim", proxy_dim)
+    proxy_dim = check_positive_int("proxy_dim", proxy_dim)
     if proxy_dim >= u.shape[1]:
         return None
     return project_rows(u, proxy_dim, random_state=seed)
@@ -979,17 +803,17 @@ def cross_group_knn_ann_with_recall(
     u = _check_u(u)
     n = u.shape[0]
     groups = _check_codes("groups", groups, n)
-    kmax = _check_positive_int("kmax", kmax)
+    kmax = check_positive_int("kmax", kmax)
     target = _check_target(recall_target)
     if n_neighbors is not None:
-        n_neighbors = _check_positive_int("n_neighbors", n_neighbors)
+        n_neighbors = check_positive_int("n_neighbors", n_neighbors)
     if int(max_rounds) < 0 or int(n_expand) < 0:
         raise ValueError("max_rounds and n_expand must be >= 0")
     if metric not in ("cosine", "dot"):
         raise ValueError(f"metric must be 'cosine' or 'dot', got {metric!r}")
     _check_method(method, n_clusters, probe_fraction)
-    seed = _seed(random_state)
-    given = [_check_positive_int(k, v) for k, v in (("block_rows", block_rows), ("block_cols", block_cols)) if v is not None]
+    seed = seed_of(random_state)
+    given = [check_positive_int(k, v) for k, v in (("block_rows", block_rows), ("block_cols", block_cols)) if v is not None]
     brute_block = min(given) if given else BRUTE_BLOCK
     rows = np.arange(n, dtype=np.int64)
     if n <= 1:
@@ -1005,7 +829,7 @@ def cross_group_knn_ann_with_recall(
                 candidate_width=n - 1, exact=True, method="ivf",
             )
         idx, dist, recall, nq, rounds, frac, exact, ncl = _ivf_cross_search(
-            u, groups, kmax, target=target, seed=seed, n_recall_queries=_check_positive_int("n_recall_queries", n_recall_queries),
+            u, groups, kmax, target=target, seed=seed, n_recall_queries=check_positive_int("n_recall_queries", n_recall_queries),
             n_clusters=n_clusters, probe_fraction=probe_fraction, max_rounds=max_rounds, brute_block=brute_block,
         )
         return AnnKnnResult(
@@ -1026,13 +850,13 @@ def cross_group_knn_ann_with_recall(
             idx=idx, dist=dist, recall=1.0, recall_target=target, n_recall_queries=0,
             rounds=0, candidate_width=n - 1, exact=True,
         )
-    audit = _sample(n, n_recall_queries, seed)
+    audit = sample_queries(n, n_recall_queries, seed)
     _, true_d = _brute(u, groups, audit, rows, kmax, block=brute_block)
     tol = distance_tol(u.dtype, u.shape[1])
     kept, rounds, eps = None, 0, float(epsilon)
     while True:
         idx, dist = scope.search(rows, kmax, width=width, epsilon=eps, kept=kept, n_expand=min(n_expand, kmax) if kept is not None else 0)
-        hits, total = _recall_counts(dist[audit], true_d, tol)
+        hits, total = recall_counts(dist[audit], true_d, tol)
         recall = 1.0 if total == 0 else hits / total
         if recall >= target:
             break
@@ -1115,22 +939,21 @@ def typed_knn_ann_with_recall(
     labels = _check_codes("labels", labels, n)
     confounders = _check_codes("confounders", confounders, n)
     groups = _check_codes("groups", groups, n)
-    m = _check_positive_int("m", m)
+    m = check_positive_int("m", m)
     target = _check_target(recall_target)
     if n_neighbors is not None:
-        n_neighbors = _check_positive_int("n_neighbors", n_neighbors)
+        n_neighbors = check_positive_int("n_neighbors", n_neighbors)
     if int(max_rounds) < 0 or int(n_expand) < 0:
         raise ValueError("max_rounds and n_expand must be >= 0")
     if metric not in ("cosine", "dot"):
         raise ValueError(f"metric must be 'cosine' or 'dot', got {metric!r}")
     _check_method(method, n_clusters, probe_fraction)
-    seed = _seed(random_state)
+    seed = seed_of(random_state)
     if block_rows is not None:
-        _check_positive_int("block_rows", block_rows)
+        check_positive_int("block_rows", block_rows)
 
     if method == "ivf" and n <= TYPED_BRUTE_MAX_ROWS:
         # small scope: the exact typed engine (symmetric tiles) is faster than any probing
-        from .typed import typed_knn
 
         so_d, os_d = typed_knn(u, labels, confounders, groups, m)
         nc = len(np.unique(np.stack([labels, confounders], axis=1), axis=0)) if n else 0
@@ -1141,7 +964,7 @@ def typed_knn_ann_with_recall(
     if method == "ivf":
         so_d, os_d, recall, nq, rounds, frac, exact = _ivf_typed_search(
             u, labels, confounders, groups, m, target=target, seed=seed,
-            n_recall_queries=_check_positive_int("n_recall_queries", n_recall_queries),
+            n_recall_queries=check_positive_int("n_recall_queries", n_recall_queries),
             n_clusters=n_clusters, probe_fraction=probe_fraction, max_rounds=max_rounds,
         )
         nc = len(np.unique(np.stack([labels, confounders], axis=1), axis=0))
@@ -1169,7 +992,7 @@ def typed_knn_ann_with_recall(
         )
         cells.append((scope, qrows, q_so[qrows]))
 
-    audit = _sample(n, n_recall_queries, seed) if n else np.empty(0, np.int64)
+    audit = sample_queries(n, n_recall_queries, seed) if n else np.empty(0, np.int64)
     (_, t_so), (_, t_os) = exact_typed_rows(u, labels, confounders, groups, audit, m)
     tol = distance_tol(u.dtype, u.shape[1])
     kept = [None] * len(cells)
@@ -1189,10 +1012,10 @@ def typed_knn_ann_with_recall(
             kept[j] = res
             for acc, sel in ((so, is_so), (os_, ~is_so)):
                 r = qrows[sel]
-                merged = _merge((acc[0][r], acc[1][r]), (res[0][sel], res[1][sel]), m)
+                merged = merge_tables((acc[0][r], acc[1][r]), (res[0][sel], res[1][sel]), m)
                 acc[0][r], acc[1][r] = merged
-        h1, n1 = _recall_counts(so[1][audit], t_so, tol)
-        h2, n2 = _recall_counts(os_[1][audit], t_os, tol)
+        h1, n1 = recall_counts(so[1][audit], t_so, tol)
+        h2, n2 = recall_counts(os_[1][audit], t_os, tol)
         recall = 1.0 if n1 + n2 == 0 else (h1 + h2) / (n1 + n2)
         if recall >= target:
             break
@@ -1214,3 +1037,44 @@ def typed_knn_ann(u, labels, confounders, groups, m, *, recall_target=0.99, rand
         n_jobs=n_jobs, **options,
     )
     return r.so_dist, r.os_dist
+
+
+class AnnSearch:
+    """The in-memory ANN engine as a :class:`~.base.Searcher`: keeps the recall it measured.
+
+    ``params``: a work unit's neighbour parameters (``seed``, ``recall_target``, ``recall_sample``).
+
+    :meth:`cross` / :meth:`typed` wrap the ANN backend's ``*_with_recall`` searches (IVF-style
+    candidate clusters, or pynndescent graphs with ``method="graph"``, refined with exact
+    distances; recall measured against exact search on ``recall_sample`` seeded queries per call).
+    The metric may call them once per scope (and more than once per scope); :attr:`recall` is the
+    worst measured recall over all calls (NaN if never called). Same interface as
+    :class:`~.large_scope.LargeScopeSearch`.
+    """
+
+    def __init__(self, params: dict):
+        self.params, self.recalls = params, []
+
+    def _options(self, kwargs) -> dict:
+        kwargs.setdefault("random_state", int(self.params["seed"]))
+        kwargs.setdefault("recall_target", float(self.params["recall_target"]))
+        kwargs.setdefault("n_recall_queries", int(self.params["recall_sample"]))
+        return kwargs
+
+    def cross(self, *args, **kwargs):
+        r = cross_group_knn_ann_with_recall(*args, **self._options(kwargs))
+        self.recalls.append(float(r.recall))
+        return r.idx, r.dist
+
+    def typed(self, *args, **kwargs):
+        r = typed_knn_ann_with_recall(*args, **self._options(kwargs))
+        self.recalls.append(float(r.recall))
+        return r.so_dist, r.os_dist
+
+    @property
+    def recall(self) -> float:
+        return min(self.recalls) if self.recalls else float("nan")
+
+    @property
+    def details(self) -> list:
+        return []

@@ -18,10 +18,13 @@ on tiny data. :func:`configure_worker` does both and is what a Dask worker plugi
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import tempfile
 import threading
+
+import numpy as np
 
 __all__ = ["default_cache_dir", "configure", "warm_up", "configure_worker"]
 
@@ -36,7 +39,6 @@ def default_cache_dir() -> str:
 
 
 def _pynndescent_dir_writable() -> bool:
-    import importlib.util
 
     spec = importlib.util.find_spec("pynndescent")
     if spec is None or spec.origin is None:
@@ -77,7 +79,7 @@ def configure(*, num_threads: int | None = None, cache_dir: str | None = None) -
     if num_threads is not None and "numba" not in sys.modules:
         os.environ["NUMBA_NUM_THREADS"] = changed["NUMBA_NUM_THREADS"] = str(num_threads)
     if "numba" in sys.modules:
-        import numba
+        import numba  # deferred: only touched when numba is already loaded (importing it costs seconds)
 
         if cache_dir is not None:
             numba.config.reload_config()
@@ -95,8 +97,7 @@ def warm_up(metric: str = "cosine") -> None:
     with _WARM_LOCK:
         if metric in _WARMED:
             return
-        import numpy as np
-        from pynndescent import NNDescent
+        from pynndescent import NNDescent  # deferred: the warm-up is the only reason to import it here
 
         x = np.random.default_rng(0).standard_normal((300, 8)).astype(np.float32)
         x /= np.linalg.norm(x, axis=1, keepdims=True)

@@ -1,4 +1,4 @@
-"""Building blocks of the out-of-core IVF search (:mod:`cachescore.pipeline.large_scope`).
+"""Building blocks of the out-of-core IVF search (:mod:`cachescore.neighbors.large_scope`).
 
 Pure numpy, no Dask: every function takes the arrays it works on, so a worker task can call it on
 the rows it has read from disk and nothing here ever needs the whole scope in memory.
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ann import _merge_tile
 from .normalize import cosine_distance_block
+from .topk import merge_tile
 
 __all__ = [
     "spherical_kmeans",
@@ -145,4 +145,4 @@ def topk_tiles(qv, q_groups, tv, t_ids, t_groups, k, best_i, best_d, *, rows=Non
             e = min(qv.shape[0], s + tq)
             dist = cosine_distance_block(qv[s:e], ut)
             dist[q_groups[s:e, None] == tg[None, :]] = np.inf
-            _merge_tile(best_i[s:e], best_d[s:e], dist, ids, k)
+            merge_tile(best_i[s:e], best_d[s:e], dist, ids, k)

@@ -1,7 +1,11 @@
-"""Neighbour backends by name: ``"exact"`` (blocked GEMM), ``"ann"`` (:mod:`~cachescore.neighbors.ann`:
-IVF partition or pynndescent graph, exact distances, measured recall) and ``"auto"`` (chosen per
-scope from its size by :func:`choose_backend`). Scopes above ``[neighbors] large_scope_rows`` are
-searched out of core by :mod:`cachescore.pipeline.large_scope` instead, whatever the backend.
+"""The one way an engine is picked: neighbour backends by name, and the engine of a planned unit.
+
+Backends: ``"exact"`` (blocked GEMM), ``"ann"`` (:mod:`~cachescore.neighbors.ann`: IVF partition
+or pynndescent graph, exact distances, measured recall) and ``"auto"`` (chosen per scope from its
+size by :func:`choose_backend`). Scopes of at least ``[neighbors] large_scope_rows`` rows are
+searched out of core (:mod:`cachescore.neighbors.large_scope`) with the resolved backend's
+exactness. The planner calls :func:`engine_params` (what a unit's fingerprinted parameters say
+about its engine); the runner calls :func:`is_out_of_core` and :func:`in_memory_searcher`.
 
 Every backend provides the same two functions with the same return contracts, so the metrics never
 branch on the backend:
@@ -26,7 +30,14 @@ __all__ = [
     "choose_backend",
     "get_backend",
     "resolve_backend",
+    "OUT_OF_CORE",
+    "engine_params",
+    "is_out_of_core",
+    "in_memory_searcher",
 ]
+
+#: ``params["engine"]`` of a unit searched out of core (a stored parameter: never rename it).
+OUT_OF_CORE = "distributed"
 
 #: Names accepted by :func:`resolve_backend` (``"auto"`` resolves to one of the others).
 BACKEND_NAMES = ("exact", "ann", "auto")
@@ -107,3 +118,41 @@ def resolve_backend(name: str, n: int, d: int, threshold: float = DEFAULT_AUTO_T
     if name == "auto":
         name = choose_backend(n, d, threshold)
     return get_backend(name)
+
+
+def engine_params(backend: str, *, scope_rows: int, dim: int, neighbors: dict) -> dict:
+    """The engine part of a work unit's parameters (they enter its fingerprint and its record).
+
+    ``backend`` is the job's ``[neighbors] backend`` (``auto`` resolved here from the largest
+    scope's ``scope_rows`` and the embedding ``dim`` against ``neighbors["auto_threshold"]``);
+    ``neighbors`` the job's validated ``[neighbors]`` table. Returns ``{"backend": "exact"|"ann"}``
+    plus, for ``ann``, ``recall_target``, ``recall_sample`` and ``seed``, plus, for a scope of at
+    least ``large_scope_rows`` rows, ``engine = OUT_OF_CORE`` and ``seed``.
+    """
+    if backend not in BACKEND_NAMES:
+        raise ValueError(f"unknown neighbour backend {backend!r}; expected one of {list(BACKEND_NAMES)}")
+    resolved = choose_backend(scope_rows, dim, float(neighbors["auto_threshold"])) if backend == "auto" else backend
+    params: dict = {"backend": resolved}
+    if resolved == "ann":
+        params.update(recall_target=float(neighbors["recall_target"]), recall_sample=int(neighbors["recall_sample"]),
+                      seed=int(neighbors["seed"]))
+    if scope_rows >= int(neighbors["large_scope_rows"]):
+        params.update(engine=OUT_OF_CORE, seed=int(neighbors["seed"]))
+    return params
+
+
+def is_out_of_core(params: dict) -> bool:
+    """Whether a unit with these parameters is searched out of core (driven from the client)."""
+    return params.get("engine") == OUT_OF_CORE
+
+
+def in_memory_searcher(params: dict):
+    """The in-memory :class:`~.base.Searcher` for a unit's parameters: :class:`~.ann.AnnSearch` for
+    ``backend = "ann"``, ``None`` for ``exact`` (the metrics' own exact ``compute`` path, which
+    also counts CRoMa's schedule diagnostics). Raises ``ValueError`` for an unknown backend."""
+    backend = params.get("backend", "exact")
+    if backend == "exact":
+        return None
+    if backend == "ann":
+        return _load("ann", "AnnSearch")(params)
+    raise ValueError(f"unknown neighbour backend {backend!r} in unit parameters; expected one of {sorted(_TABLE)}")

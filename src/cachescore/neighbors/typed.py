@@ -21,7 +21,7 @@ Layout of the computation (no per-row Python loop, no N×N matrix):
 * the work is cut into independent tiles (:func:`typed_tiles`, :func:`typed_tile`), grouped in
   query blocks (:func:`typed_layout`, :func:`typed_block`), whose partials are merged by an
   order-independent reduction (:func:`typed_merge`), so
-  :mod:`cachescore.pipeline.blocked_search` runs the same blocks on Dask workers and returns the
+  :mod:`cachescore.neighbors.blocked` runs the same blocks on Dask workers and returns the
   same bits.
 
 Peak extra memory is one permuted copy of ``u``, two ``(n, m)`` buffers and ``O(block_rows²)``
@@ -407,7 +407,7 @@ def typed_knn(u, labels, confounders, groups, m, *, block_rows=None, threads=Non
     distances, and only the kept ``(n, m)`` values are converted. Same-group entries are set to
     ``-inf``. The work is cut into the independent query blocks of :func:`typed_layout`
     (``typed_block``), merged by :func:`typed_merge`; a distributed run executes the same blocks
-    (:mod:`cachescore.pipeline.blocked_search`) and gets bit-identical results.
+    (:mod:`cachescore.neighbors.blocked`) and gets bit-identical results.
     """
     u, (labels, confounders, groups) = _check_inputs(u, labels, confounders, groups)
     m = int(m)

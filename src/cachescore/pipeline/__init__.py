@@ -1,9 +1,11 @@
 """Planning and Dask execution of work units (encoder × view × design × metric).
 
+Only orchestration lives here; the engines are in :mod:`cachescore.neighbors`, the metrics in
+:mod:`cachescore.metrics`, the probe sweep in :mod:`cachescore.probe`.
+
 * :func:`plan_job` – fingerprinted work units, split into pending / done / invalid;
 * :func:`run_job` – the whole run (what ``cachescore run`` does) → :class:`RunSummary`;
-* :func:`execute_plan` – submit pending metric units to a client;
-* :func:`run_probe_units` – run pending probe-sweep units (replicates fanned out on the client);
+* :func:`execute_plan` – start the pending units on a client, each by its :class:`UnitKind`;
 * :func:`open_client` – LocalCluster on 127.0.0.1 or an existing scheduler;
 * :func:`score_unit` – the one place where a unit calls the metric API;
 * :func:`unit_status` – done / failed / stale / missing per unit;
@@ -11,13 +13,14 @@
 """
 
 from .cluster import SingleThreadBLAS, open_client
-from .execute import RunSummary, execute_plan, run_job, run_probe_units
-from .plan import InvalidUnit, Plan, WorkUnit, code_version, plan_job
+from .execute import RunSummary, execute_plan, run_job
+from .plan import InvalidUnit, Plan, UnitKind, WorkUnit, code_version, plan_job
 from .status import pending_reasons, unit_status
-from .watch import WatchPoll, poll_job, watch_job
 from .unit import run_probe_task, run_unit, score_unit
+from .watch import WatchPoll, poll_job, watch_job
 
 __all__ = [
+    "UnitKind",
     "WorkUnit",
     "InvalidUnit",
     "Plan",
@@ -26,7 +29,6 @@ __all__ = [
     "RunSummary",
     "run_job",
     "execute_plan",
-    "run_probe_units",
     "open_client",
     "SingleThreadBLAS",
     "score_unit",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
 
 from distributed import Client, LocalCluster
@@ -42,7 +43,6 @@ class SingleThreadBLAS(WorkerPlugin):
             os.environ.setdefault(k, v)
         os.environ.setdefault("NUMBA_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "cachescore-numba"))
         self._limits = single_thread_blas()
-        import sys
 
         if "numba" in sys.modules:  # only if already loaded: importing numba here costs seconds
             try:

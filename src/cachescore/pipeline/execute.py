@@ -2,7 +2,7 @@
 
 :func:`run_job` is the whole run (what ``cachescore run`` calls): synthesise the demo cache if the
 job asks for it, plan, record units that failed at planning, open the client (LocalCluster or
-``--scheduler``), submit one task per pending unit (metric and probe-sweep units together, with
+``--scheduler``), start every pending unit by its kind (metric and probe-sweep tasks, large-scope drivers;
 retries for transient failures), draw a
 progress bar, save a Dask ``performance_report`` in the store's run folder and write the run's
 provenance. Nothing is started when no unit is pending, so a second run of an unchanged job
@@ -20,16 +20,24 @@ import queue
 import sys
 import time
 import uuid
+from concurrent.futures import Future as LocalFuture
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TextIO
 
-from .._version import package_versions
-from .plan import Plan, code_version, plan_job
-from .unit import run_unit
+from distributed import performance_report
 
-__all__ = ["RunSummary", "execute_plan", "run_probe_units", "run_job", "ensure_demo_cache", "new_run_id",
+from .._version import package_versions
+from ..cache.synthetic import make_demo_cache
+from ..neighbors.large_scope import remove_scratch
+from ..store import ResultsStore
+from .cluster import open_client
+from .plan import Plan, UnitKind, code_version, plan_job
+from .unit import drive_large_unit, run_probe_task, run_unit
+
+__all__ = ["RunSummary", "execute_plan", "run_job", "ensure_demo_cache", "new_run_id",
            "ProgressBar"]
 
 
@@ -48,6 +56,7 @@ class RunSummary:
     report_path: str | None = None
     dashboard: str | None = None
     seconds: float = 0.0
+    plan: Plan | None = None
 
     @property
     def ok(self) -> bool:
@@ -98,55 +107,46 @@ def _say(out: TextIO | None, msg: str) -> None:
         out.flush()
 
 
+def _task_key(unit, run_id: str | None) -> str:
+    # the run id in the key keeps runs apart: a key still held by another client (e.g. an erred
+    # task of an earlier run) would otherwise be reused instead of recomputed
+    return f"cachescore-{unit.metric}-{unit.fingerprint[:32]}-{run_id or 'adhoc'}"
+
+
+def _start(unit, client, drivers, *, bundles, run_id, retries):
+    """Start one unit by its kind (the one dispatch on :class:`~.plan.UnitKind`); returns its
+    future (a ``distributed.Future``, or a ``concurrent.futures.Future`` for a driven unit)."""
+    if unit.kind is UnitKind.LARGE:
+        return drivers.submit(drive_large_unit, unit, client, run_id, retries)
+    key = _task_key(unit, run_id)
+    if unit.kind is UnitKind.PROBE:
+        return client.submit(run_probe_task, unit, bundles, run_id, key=key, retries=retries, pure=False, priority=10)
+    return client.submit(run_unit, unit, run_id, key=key, retries=retries, pure=False)
+
+
 def execute_plan(plan: Plan, client, *, store=None, retries: int = 2, out: TextIO | None = sys.stderr,
-                 unit_fn=None, load_fn=None, run_id: str | None = None, probe_fn=None,
-                 large_unit_drivers: int = 3) -> tuple[int, list]:
+                 run_id: str | None = None, large_unit_drivers: int = 3) -> tuple[int, list]:
     """Run the plan's pending units on ``client``; return ``(n_succeeded, failures)``.
 
-    One task per unit (key ``cachescore-<metric>-<fingerprint prefix>-<run id>``), ``retries``
-    retries for exceptions that are not data errors: metric units run :func:`~.unit.run_unit`,
-    probe-sweep units :func:`~.unit.run_probe_task` (submitted first, with a higher priority: each
-    secedes from its worker's thread pool and fans its replicates out as further tasks, so metric
-    units run while sweeps are in flight). Units planned out of core (``engine = "distributed"``)
-    are not tasks: up to ``large_unit_drivers`` of them at a time are driven from this process
-    on threads (:func:`~.unit.drive_large_unit`), and only their bounded search tasks go to the
-    workers. Completions of both kinds are gathered in one loop that draws the progress bar.
-    A unit whose task finally errors (retries exhausted, worker killed too often) is recorded as
-    failed in the store by the client. ``unit_fn`` / ``load_fn`` / ``probe_fn`` replace
-    :func:`~.unit.score_unit` / :func:`~.unit.load_unit_inputs` / ``run_probe_unit`` (tests; with
-    ``unit_fn`` or ``load_fn`` large units run as tasks too).
+    Each unit starts by its :class:`~.plan.UnitKind` (:func:`_start`): ``SCORE`` units are one
+    task each (:func:`~.unit.run_unit`, key ``cachescore-<metric>-<fingerprint prefix>-<run id>``);
+    ``PROBE`` units are :func:`~.unit.run_probe_task` tasks, submitted first with a higher
+    priority (each secedes from its worker's thread pool and fans its replicates out as further
+    tasks, so metric units run while sweeps are in flight); ``LARGE`` units are not tasks: up to
+    ``large_unit_drivers`` of them at a time are driven from this process on threads
+    (:func:`~.unit.drive_large_unit`), and only their bounded search tasks go to the workers.
+    Tasks get ``retries`` retries for exceptions that are not data errors. Completions of every
+    kind are gathered in one loop that draws the progress bar. A unit whose task finally errors
+    (retries exhausted, worker killed too often) is recorded as failed in the store by the client.
     """
-    from concurrent.futures import Future as LocalFuture
-    from concurrent.futures import ThreadPoolExecutor
-
-    from ..store import ResultsStore
-    from .large_scope import remove_scratch
-    from .unit import drive_large_unit, run_probe_task
-
     store = ResultsStore(plan.job.store) if store is None else store
-    pending = sorted(plan.pending, key=lambda u: u.metric != "probe")  # probe units first (stable)
+    pending = sorted(plan.pending, key=lambda u: u.kind is not UnitKind.PROBE)  # probe units first (stable)
     units = {u.fingerprint: u for u in pending}
-    drive_here = unit_fn is None and load_fn is None
-    driven = [u for u in pending if drive_here and u.metric != "probe" and u.params.get("engine") == "distributed"]
-    driven_fps = {u.fingerprint for u in driven}
-    finished: queue.Queue = queue.Queue()  # futures of both kinds, as they complete
+    finished: queue.Queue = queue.Queue()  # futures of every kind, as they complete
     futures = {}
-    for fp, u in units.items():
-        if fp in driven_fps:
-            continue
-        # the run id in the key keeps runs apart: a key still held by another client (e.g. an
-        # erred task of an earlier run) would otherwise be reused instead of recomputed
-        key = f"cachescore-{u.metric}-{fp[:32]}-{run_id or 'adhoc'}"
-        if u.metric == "probe":
-            fut = client.submit(run_probe_task, u, plan.job.bundles, run_id, probe_fn, key=key, retries=retries,
-                                pure=False, priority=10)
-        else:
-            fut = client.submit(run_unit, u, unit_fn, load_fn, run_id, key=key, retries=retries, pure=False)
-        futures[fut] = fp
-        fut.add_done_callback(finished.put)
     drivers = ThreadPoolExecutor(max_workers=max(1, int(large_unit_drivers)), thread_name_prefix="cachescore-large")
-    for u in driven:
-        fut = drivers.submit(drive_large_unit, u, client, run_id, retries)
+    for u in sorted(pending, key=lambda u: u.kind is UnitKind.LARGE):  # tasks first, then drivers
+        fut = _start(u, client, drivers, bundles=plan.job.bundles, run_id=run_id, retries=retries)
         futures[fut] = u.fingerprint
         fut.add_done_callback(finished.put)
     bar = ProgressBar(len(futures), out)
@@ -180,18 +180,8 @@ def execute_plan(plan: Plan, client, *, store=None, retries: int = 2, out: TextI
         drivers.shutdown(wait=False, cancel_futures=True)
         raise
     drivers.shutdown(wait=True)
-    remove_scratch(pending)  # large-scope partitions and tables: every unit of this run has ended
+    remove_scratch([u for u in pending if u.kind is UnitKind.LARGE])  # every unit of this run has ended
     return succeeded, failures
-
-
-def run_probe_units(plan: Plan, client, *, store=None, retries: int = 2, out: TextIO | None = sys.stderr,
-                    run_id: str | None = None, probe_fn=None) -> tuple[int, list]:
-    """Run only the plan's pending probe-sweep units (:func:`execute_plan` runs them together
-    with the metric units); return ``(n_succeeded, failures)``."""
-    import dataclasses
-
-    only = dataclasses.replace(plan, pending=tuple(u for u in plan.pending if u.metric == "probe"))
-    return execute_plan(only, client, store=store, retries=retries, out=out, run_id=run_id, probe_fn=probe_fn)
 
 
 def ensure_demo_cache(job, out: TextIO | None = sys.stderr) -> bool:
@@ -200,8 +190,6 @@ def ensure_demo_cache(job, out: TextIO | None = sys.stderr) -> bool:
     interrupted synthesis). Returns whether it was (re)created."""
     if not job.demo.get("synthesise") or (Path(job.cache) / "cache.json").exists():
         return False
-    from ..cache.synthetic import make_demo_cache
-
     _say(out, f"synthesising demo cache at {job.cache}")
     d = job.demo
     make_demo_cache(job.cache, n_slides_per_cell=d["n_slides_per_cell"], tiles_per_slide=d["tiles_per_slide"],
@@ -224,16 +212,16 @@ def _hardware(client=None) -> dict:
 
 
 def run_job(job, *, scheduler: str | None = None, out: TextIO | None = sys.stderr, processes: bool = True,
-            unit_fn=None, load_fn=None, probe_fn=None) -> RunSummary:
+            plan: Plan | None = None) -> RunSummary:
     """Score a job end to end (see module docstring). ``scheduler`` overrides ``[execution] scheduler``.
 
-    Returns a :class:`RunSummary`; it does not raise for failed units (they are in
-    ``summary.failures`` and in the store). Raises for job-level problems: missing cache,
-    encoder/view not in the cache, unreachable scheduler.
-    """
-    from ..store import ResultsStore
-    from .cluster import open_client
+    ``plan`` is the job's plan when the caller already made one against the same store (the CLI
+    plans once, to print it); by default the job is planned here, after the demo cache exists.
 
+    Returns a :class:`RunSummary` (with the ``plan`` it ran); it does not raise for failed units
+    (they are in ``summary.failures`` and in the store). Raises for job-level problems: missing
+    cache, encoder/view not in the cache, unreachable scheduler.
+    """
     t0 = time.perf_counter()
     run_id = new_run_id()
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -241,7 +229,7 @@ def run_job(job, *, scheduler: str | None = None, out: TextIO | None = sys.stder
     if not Path(job.cache).is_dir():
         raise FileNotFoundError(f"{job.path or '<job>'}: cache folder not found: {job.cache}")
     store = ResultsStore(job.store)
-    plan = plan_job(job, store=store)
+    plan = plan_job(job, store=store) if plan is None else plan
     failures = []
     for inv in plan.invalid:
         store.record_failure(inv.fingerprint, unit=dict(inv.unit, run_id=run_id), error=inv.error)
@@ -252,7 +240,7 @@ def run_job(job, *, scheduler: str | None = None, out: TextIO | None = sys.stder
     ex = job.execution
     scheduler = scheduler or ex["scheduler"] or None
     summary = RunSummary(run_id=run_id, planned=n_all, executed=len(plan.pending), skipped=len(plan.done),
-                         succeeded=0)
+                         succeeded=0, plan=plan)
     hardware = None
 
     def provenance(state: str) -> None:
@@ -286,15 +274,13 @@ def run_job(job, *, scheduler: str | None = None, out: TextIO | None = sys.stder
             if summary.dashboard:
                 _say(out, f"dashboard: {summary.dashboard}")
             hardware = _hardware(client)
-            kw = dict(store=store, retries=ex["retries"], out=out, unit_fn=unit_fn, load_fn=load_fn, run_id=run_id,
-                      probe_fn=probe_fn, large_unit_drivers=ex["large_unit_drivers"])
+            kw = dict(store=store, retries=ex["retries"], out=out, run_id=run_id,
+                      large_unit_drivers=ex["large_unit_drivers"])
 
             def work():
                 return execute_plan(plan, client, **kw)
 
             if ex["performance_report"]:
-                from distributed import performance_report
-
                 report = Path(store.run_dir(run_id)) / "dask-performance-report.html"
                 report.parent.mkdir(parents=True, exist_ok=True)
                 with client.as_current(), performance_report(filename=str(report)):

@@ -22,16 +22,33 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-
+from enum import Enum
 
 from .._jsonsafe import json_default
+from ..cache import Cache
 from ..fingerprint import code_version, fingerprint
 from ..jobs.schema import Job
+from ..neighbors.registry import engine_params, is_out_of_core
+from ..store import ResultsStore
+from .probe_unit import probe_unit_done, probe_unit_fingerprint
 
-__all__ = ["WorkUnit", "InvalidUnit", "Plan", "plan_job", "code_version", "resolve_backend", "unit_fingerprint"]
+__all__ = ["UnitKind", "WorkUnit", "InvalidUnit", "Plan", "plan_job", "code_version", "unit_fingerprint"]
 
 def _fingerprint(obj) -> str:
     return fingerprint(obj)
+
+
+class UnitKind(Enum):
+    """What a work unit is, hence how it runs (dispatched in one place:
+    :func:`cachescore.pipeline.execute.execute_plan`)."""
+
+    #: RI / MaRI / CRoMa of a view whose scopes fit in memory: one Dask task on a worker.
+    SCORE = "score"
+    #: RI / MaRI / CRoMa of a view with a large scope: driven from the client process, its
+    #: searches fanned out as bounded tasks (ADR-0007).
+    LARGE = "large"
+    #: A probe sweep (APD / nIPD): one task that fans its replicates out as further tasks.
+    PROBE = "probe"
 
 
 @dataclass(frozen=True)
@@ -57,9 +74,16 @@ class WorkUnit:
     fingerprint: str
 
     @property
+    def kind(self) -> UnitKind:
+        """:class:`UnitKind` of the unit, derived from its planned ``metric`` and ``params``."""
+        if self.metric == "probe":
+            return UnitKind.PROBE
+        return UnitKind.LARGE if is_out_of_core(self.params) else UnitKind.SCORE
+
+    @property
     def label(self) -> str:
         """Short display name: ``encoder/view/design/metric[m=…]`` (probe units: ``encoder/view/probe``)."""
-        if self.metric == "probe":
+        if self.kind is UnitKind.PROBE:
             return f"{self.encoder}/{self.view}/probe"
         extra = f"[m={self.params['m']}]" if self.metric == "croma" else ""
         return f"{self.encoder}/{self.view}/{self.design}/{self.metric}{extra}"
@@ -110,15 +134,6 @@ class Plan:
     @property
     def units(self) -> tuple[WorkUnit, ...]:
         return self.pending + self.done
-
-
-def resolve_backend(backend: str, *, max_scope_rows: int, dim: int, threshold: float) -> str:
-    """Resolve ``auto`` to ``exact`` when ``max_scope_rows**2 * dim <= threshold``, else ``ann``."""
-    if backend != "auto":
-        return backend
-    from ..neighbors.registry import choose_backend
-
-    return choose_backend(max_scope_rows, dim, threshold)
 
 
 def unit_fingerprint(*, encoder, view, design, metric, confounder_column, params, inputs, code) -> str:
@@ -187,9 +202,6 @@ def plan_job(job: Job, *, cache=None, store=None) -> Plan:
     FileNotFoundError
         The cache folder does not exist.
     """
-    from ..cache import Cache
-    from ..store import ResultsStore
-
     cache = Cache(job.cache) if cache is None else cache
     store = ResultsStore(job.store) if store is None else store
 
@@ -248,15 +260,7 @@ def plan_job(job: Job, *, cache=None, store=None) -> Plan:
                     fp = _fingerprint({"kind": "cachescore.invalid-unit/1", **ident, "error": err, "code": code})
                     invalid.append(InvalidUnit(unit=ident, fingerprint=fp, error=err))
                     continue
-                backend = resolve_backend(nb["backend"], max_scope_rows=scope_rows, dim=dim,
-                                          threshold=float(nb["auto_threshold"]))
-                params = dict(mparams, backend=backend)
-                if backend == "ann":
-                    params.update(recall_target=float(nb["recall_target"]), recall_sample=int(nb["recall_sample"]),
-                                  seed=int(nb["seed"]))
-                if scope_rows >= int(nb["large_scope_rows"]):
-                    # searched out of core by distributed tasks (pipeline/large_scope.py)
-                    params.update(engine="distributed", seed=int(nb["seed"]))
+                params = dict(mparams, **engine_params(nb["backend"], scope_rows=scope_rows, dim=dim, neighbors=nb))
                 unit_inputs = {"embeddings": emb_fp, "view": view_fp}
                 fp = unit_fingerprint(encoder=enc, view=view, design=design, metric=metric,
                                       confounder_column=confounder, params=params, inputs=unit_inputs, code=code)
@@ -302,8 +306,6 @@ def _plan_probe_units(job, cache, store, encoders, views, code, pending, done, i
     input fingerprints come from ``fps`` (the plan's :class:`_InputFingerprints`), so a view is
     hashed once per plan, not once per encoder.
     """
-    from .probe_unit import probe_unit_done, probe_unit_fingerprint
-
     fps = _InputFingerprints(cache) if fps is None else fps
 
     probe_code = code_version("probe")

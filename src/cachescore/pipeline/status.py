@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import json
 
-from .plan import params_json, plan_job
+from ..store import ResultsStore
+from .plan import UnitKind, params_json, plan_job
+from .probe_unit import probe_record_fingerprint, probe_record_keys
 
 __all__ = ["unit_status", "pending_reasons", "StoreIndex"]
 
@@ -91,8 +93,6 @@ class StoreIndex:
 
 
 def _probe_rows(unit, index: StoreIndex) -> list[dict]:
-    from .probe_unit import probe_record_fingerprint, probe_record_keys
-
     unit_failed = index.failed.get(unit.fingerprint)
     rows = []
     for matrix, metric in probe_record_keys(unit.params):
@@ -123,14 +123,12 @@ def unit_status(job, *, cache=None, store=None) -> list[dict]:
     Raises what :func:`~.plan.plan_job` raises for job-level problems (missing cache, unknown
     encoder or view).
     """
-    from ..store import ResultsStore
-
     store = ResultsStore(job.store) if store is None else store
     plan = plan_job(job, cache=cache, store=store)
     index = StoreIndex(store)
     rows = []
     for u in plan.units:
-        if u.metric == "probe":
+        if u.kind is UnitKind.PROBE:
             rows.extend(_probe_rows(u, index))
             continue
         row = {"encoder": u.encoder, "view": u.view, "design": u.design, "metric": u.metric, "scope": None,
@@ -158,17 +156,13 @@ def pending_reasons(plan, *, store=None) -> list[dict]:
     (comma-joined when several), ``params changed``, ``never scored``, or ``failed before: <error>``
     (the same fingerprint failed in an earlier run: its inputs did not change).
     """
-    from ..store import ResultsStore
-
     store = ResultsStore(plan.job.store) if store is None else store
     index = StoreIndex(store)
     out = []
     for u in plan.pending:
         if u.fingerprint in index.failed:
             reason = "failed before: " + _first_line(index.failed[u.fingerprint].get("error"), 100)
-        elif u.metric == "probe":
-            from .probe_unit import probe_record_keys
-
+        elif u.kind is UnitKind.PROBE:
             matrix, metric = probe_record_keys(u.params)[0]
             reason = index.explain(u, scope=matrix, metric=metric)[2]
         else:

@@ -9,17 +9,18 @@
 * :func:`run_unit` is the Dask task of a metric unit. It receives only a :class:`~.plan.WorkUnit` (paths and
   parameters, no arrays), reads the embeddings **on the worker**, pins BLAS to one thread, calls
   the unit function and writes the result atomically to the store.
-* :func:`drive_large_unit` scores a unit planned with ``params["engine"] == "distributed"`` (a
+* :func:`drive_large_unit` scores a unit of kind :attr:`~.plan.UnitKind.LARGE` (a
   scope of at least ``[neighbors] large_scope_rows`` rows) **from the client process**, on a
   thread of :func:`~.execute.execute_plan`: :func:`score_large_unit` keeps the unit's O(n) state
   (view, codes, per-unit values, neighbour tables) there and fans its neighbour searches out over
-  the cluster as tasks that read row chunks from the cache (:mod:`~.large_scope`), so a worker's
+  the cluster as tasks that read row chunks from the cache (:mod:`cachescore.neighbors.large_scope`), so a worker's
   memory is bounded by the chunk and piece sizes, whatever the scope's size.
 
-Failure policy: an exception of a *data* kind (:data:`DATA_ERRORS`: invalid/corrupt/missing
-input, a metric refusing the data) is recorded in the store as the unit's failure and the task
-returns normally, so it is not retried. Anything else (lost connection, out of memory, a killed
-worker) propagates, and Dask retries the task; the client records it as failed if retries run out.
+Failure policy: an exception of a *data* kind (:data:`cachescore.errors.DATA_ERRORS`:
+invalid/corrupt/missing input, a metric refusing the data) is recorded in the store as the unit's
+failure and the task returns normally, so it is not retried. Anything else (a bug in our code, a
+lost connection, out of memory, a killed worker) propagates, and Dask retries the task; the client
+records it as failed, with its type and message, if retries run out.
 """
 
 from __future__ import annotations
@@ -35,65 +36,30 @@ from datetime import datetime, timezone
 
 import numpy as np
 import pandas as pd
+from distributed import worker_client
 
 from .._threads import single_thread_blas
+from ..cache import Cache
+from ..errors import DATA_ERRORS, UnscorableError
+from ..manifest import prepare
+from ..metrics.croma import CRoMa
+from ..metrics.mari import MaRI
+from ..metrics.ri import RI
+from ..neighbors.large_scope import LargeScopeSearch, ScopeRows, scratch_dir
+from ..neighbors.normalize import compute_dtype
+from ..neighbors.registry import in_memory_searcher
+from ..store import ResultsStore
+from .plan import UnitKind, params_json
+from .probe_unit import run_probe_unit, write_probe_records
 
-__all__ = ["DATA_ERRORS", "score_unit", "score_large_unit", "drive_large_unit", "run_unit", "run_probe_task",
+__all__ = ["score_unit", "score_large_unit", "drive_large_unit", "run_unit", "run_probe_task",
            "load_unit_inputs", "result_record"]
-
-#: Exceptions that mean "this unit's data cannot be scored" (recorded, never retried). The cache's
-#: errors subclass ValueError / FileNotFoundError; the metric API raises ValueError/RuntimeError.
-DATA_ERRORS = (ValueError, TypeError, LookupError, RuntimeError, ArithmeticError, FileNotFoundError)
-
 
 def _nan(x) -> float:
     try:
         return float(x) if x is not None else float("nan")
     except (TypeError, ValueError):
         return float("nan")
-
-
-class _RecordingAnnSearch:
-    """An in-memory ANN neighbour backend for ``compute_with`` that keeps the recall it measured.
-
-    :meth:`cross` / :meth:`typed` wrap the ANN backend's ``*_with_recall`` searches (IVF-style
-    candidate clusters, or pynndescent graphs with ``method="graph"``, refined with exact
-    distances; recall measured against exact search on ``recall_sample`` seeded queries per call).
-    The metric may call them once per scope (and more than once per scope); :attr:`recall` is the
-    worst measured recall over all calls (NaN if never called). Same interface as
-    :class:`~.large_scope.LargeScopeSearch`.
-    """
-
-    def __init__(self, params: dict):
-        self.params, self.recalls = params, []
-
-    def _options(self, kwargs) -> dict:
-        kwargs.setdefault("random_state", int(self.params["seed"]))
-        kwargs.setdefault("recall_target", float(self.params["recall_target"]))
-        kwargs.setdefault("n_recall_queries", int(self.params["recall_sample"]))
-        return kwargs
-
-    def cross(self, *args, **kwargs):
-        from ..neighbors import ann
-
-        r = ann.cross_group_knn_ann_with_recall(*args, **self._options(kwargs))
-        self.recalls.append(float(r.recall))
-        return r.idx, r.dist
-
-    def typed(self, *args, **kwargs):
-        from ..neighbors import ann
-
-        r = ann.typed_knn_ann_with_recall(*args, **self._options(kwargs))
-        self.recalls.append(float(r.recall))
-        return r.so_dist, r.os_dist
-
-    @property
-    def recall(self) -> float:
-        return min(self.recalls) if self.recalls else float("nan")
-
-    @property
-    def details(self) -> list:
-        return []
 
 
 def result_record(unit, result, *, recall: float = float("nan")) -> tuple[dict, pd.DataFrame]:
@@ -107,8 +73,6 @@ def result_record(unit, result, *, recall: float = float("nan")) -> tuple[dict, 
     Per-unit columns: ``unit`` (0..U-1, unit order), ``source_index`` (view row), ``subset``,
     ``value`` (aligned; NaN when undefined) and, for RI/MaRI, ``defined`` and ``undefined_type``.
     """
-    from .plan import params_json
-
     is_croma = unit.metric == "croma"
     values = np.asarray(result.sample_values_aligned, dtype=float)
     record = {
@@ -151,6 +115,31 @@ def result_record(unit, result, *, recall: float = float("nan")) -> tuple[dict, 
     return record, per_unit
 
 
+def _compute(unit, features, manifest, searcher):
+    """Call the metric API for ``unit`` (the one place the pipeline does): its ``compute`` (exact,
+    in memory) or ``compute_with`` the searcher's methods."""
+    p = unit.params
+    common = dict(confounder_column=unit.confounder_column, evaluation_design=unit.design)
+    if unit.metric == "ri":
+        kw = dict(common, k_candidates=list(p["k_candidates"]))
+        result = RI.compute_with(searcher.cross, features, manifest, **kw) if searcher else RI.compute(features, manifest, **kw)
+    elif unit.metric == "mari":
+        tau = None if p["tau"] == "auto" else float(p["tau"])
+        kw = dict(common, k_candidates=list(p["k_candidates"]), tau=tau, warn_tau=bool(p["warn_tau"]))
+        result = (MaRI.compute_with(searcher.cross, features, manifest, **kw) if searcher
+                  else MaRI.compute(features, manifest, **kw))
+    elif unit.metric == "croma":
+        kw = dict(common, m=int(p["m"]), alpha=float(p["alpha"]), start_k=int(p["start_k"]),
+                  k_growth_factor=float(p["k_growth_factor"]))
+        # On ANN / large scopes croma's schedule diagnostics would need an exact O(n^2 d) counting
+        # pass that cancels the gain: they are reported as -1 ("not computed", ADR-0002).
+        result = (CRoMa.compute_with(searcher.typed, features, manifest, schedule_diagnostics=False, **kw) if searcher
+                  else CRoMa.compute(features, manifest, **kw))
+    else:
+        raise ValueError(f"unknown metric family {unit.metric!r} (known: ri, mari, croma)")
+    return result
+
+
 def score_unit(unit, features: np.ndarray, manifest: pd.DataFrame, *, searcher=None) -> tuple[dict, pd.DataFrame]:
     """Score one work unit with the metric API.
 
@@ -164,10 +153,9 @@ def score_unit(unit, features: np.ndarray, manifest: pd.DataFrame, *, searcher=N
     manifest : DataFrame
         The view (croma's columns: ``sample_id``, ``image_path``, ``label``, ``group_id``, the
         confounder column, ``subset`` if present).
-    searcher : object, optional
-        Neighbour backend with ``cross(u, groups, kmax)``, ``typed(u, labels, confounders, groups,
-        m)``, ``recall`` and ``details`` (:class:`~.large_scope.LargeScopeSearch`). Default: the
-        in-memory ANN backend when ``params["backend"] == "ann"``, else the exact engines.
+    searcher : cachescore.neighbors.base.Searcher, optional
+        The neighbour engine (a ``LargeScopeSearch`` for large scopes). Default: the registry's
+        in-memory engine for ``params["backend"]`` (:func:`~cachescore.neighbors.registry.in_memory_searcher`).
 
     Returns
     -------
@@ -176,36 +164,22 @@ def score_unit(unit, features: np.ndarray, manifest: pd.DataFrame, *, searcher=N
 
     Raises
     ------
-    ValueError, RuntimeError
-        Whatever the metric API raises for invalid data (incomplete subset, one row, …).
+    ValueError, cachescore.errors.UnscorableError
+        What the metric API raises for invalid data (incomplete subset, one row, …): its
+        ``RuntimeError`` refusals (croma's contract) become :class:`~cachescore.errors.UnscorableError`
+        with the unit's label, so the runner records them as data errors; any other exception
+        (a bug) propagates unchanged.
     """
     p = unit.params
-    if searcher is None and p.get("backend") == "ann":
-        searcher = _RecordingAnnSearch(p)
-    common = dict(confounder_column=unit.confounder_column, evaluation_design=unit.design)
-    if unit.metric == "ri":
-        from ..metrics.ri import RI
-
-        kw = dict(common, k_candidates=list(p["k_candidates"]))
-        result = RI.compute_with(searcher.cross, features, manifest, **kw) if searcher else RI.compute(features, manifest, **kw)
-    elif unit.metric == "mari":
-        from ..metrics.mari import MaRI
-
-        tau = None if p["tau"] == "auto" else float(p["tau"])
-        kw = dict(common, k_candidates=list(p["k_candidates"]), tau=tau, warn_tau=bool(p["warn_tau"]))
-        result = (MaRI.compute_with(searcher.cross, features, manifest, **kw) if searcher
-                  else MaRI.compute(features, manifest, **kw))
-    elif unit.metric == "croma":
-        from ..metrics.croma import CRoMa
-
-        kw = dict(common, m=int(p["m"]), alpha=float(p["alpha"]), start_k=int(p["start_k"]),
-                  k_growth_factor=float(p["k_growth_factor"]))
-        # On ANN / large scopes croma's schedule diagnostics would need an exact O(n^2 d) counting
-        # pass that cancels the gain: they are reported as -1 ("not computed", ADR-0002).
-        result = (CRoMa.compute_with(searcher.typed, features, manifest, schedule_diagnostics=False, **kw) if searcher
-                  else CRoMa.compute(features, manifest, **kw))
-    else:
-        raise ValueError(f"unknown metric family {unit.metric!r} (known: ri, mari, croma)")
+    if searcher is None:
+        searcher = in_memory_searcher(p)
+    try:
+        result = _compute(unit, features, manifest, searcher)
+    except RuntimeError as exc:
+        if type(exc) is not RuntimeError:  # RecallTargetError, RecursionError, ...: as they are
+            raise
+        # the metric API's (croma's) refusal of the data: a data error, not a bug
+        raise UnscorableError(f"{unit.label}: {exc}") from exc
     measured = searcher is not None and p.get("backend") == "ann"  # exact searches have no recall to measure
     record, per_unit = result_record(unit, result, recall=searcher.recall if measured else float("nan"))
     if searcher is not None and searcher.details:
@@ -218,20 +192,15 @@ _VALIDATING: defaultdict = defaultdict(threading.Lock)
 
 
 def score_large_unit(unit, client) -> tuple[dict, pd.DataFrame]:
-    """Score a unit whose scopes are searched out of core (``params["engine"] == "distributed"``).
+    """Score a unit whose scopes are searched out of core (:attr:`~.plan.UnitKind.LARGE`).
 
     Runs in the driving process (the client's, see :func:`drive_large_unit`): validates the
     embeddings (streamed shard by shard, once per process and encoder), reads the view, describes
-    each scope's rows (:class:`~.large_scope.ScopeRows`) and scores with a
-    :class:`~.large_scope.LargeScopeSearch` whose tasks on ``client``'s workers read the
+    each scope's rows (`cachescore.neighbors.large_scope.ScopeRows`) and scores with a
+    `cachescore.neighbors.large_scope.LargeScopeSearch` whose tasks on ``client``'s workers read the
     embeddings from the cache; no process holds the ``n × d`` matrix. Same return value and errors
     as :func:`score_unit`.
     """
-    from ..cache import Cache
-    from ..metrics._manifest import prepare
-    from ..neighbors.normalize import compute_dtype
-    from .large_scope import LargeScopeSearch, ScopeRows, scratch_dir
-
     p = unit.params
     cache = Cache(unit.cache_root)
     with _VALIDATING[(str(unit.cache_root), unit.encoder, unit.tileset)]:  # driver threads share one pass
@@ -264,8 +233,6 @@ def load_unit_inputs(unit) -> tuple[np.ndarray, pd.DataFrame]:
     finite values: the cache's errors name encoder, shard and rows), then reads the view and
     gathers its rows. Returns ``(features in view order, view frame)``.
     """
-    from ..cache import Cache
-
     cache = Cache(unit.cache_root)
     cache.validate_embeddings(unit.encoder, unit.tileset)
     manifest = cache.read_view(unit.view)
@@ -325,54 +292,48 @@ def captured_warnings():
                 guard.__exit__(None, None, None)
 
 
-def run_unit(unit, unit_fn=None, load_fn=None, run_id: str | None = None) -> dict:
-    """The Dask task for one work unit. Returns a small status dict (never arrays).
+def run_unit(unit, run_id: str | None = None) -> dict:
+    """The Dask task for one in-memory metric unit (:attr:`UnitKind.SCORE`). Returns a small
+    status dict (never arrays).
 
     ``{"fingerprint", "label", "status": "done" | "failed", "seconds", "error"?, "worker_pid"}``.
-    Data errors are recorded in the store and returned as ``failed``; other exceptions propagate
-    (Dask retries them). ``unit_fn`` (default :func:`score_unit`) and ``load_fn`` (default
-    :func:`load_unit_inputs`) are injectable for tests; ``run_id`` is stored with the record.
-    Warnings raised while scoring are stored in the record (``warnings``; see
-    :func:`captured_warnings`).
+    Reads the unit's inputs on the worker (:func:`load_unit_inputs`), scores them
+    (:func:`score_unit`) with BLAS pinned to one thread and writes the result atomically;
+    ``run_id`` is stored with the record. Warnings raised while scoring are stored in the record
+    (``warnings``; see :func:`captured_warnings`). Data errors (:data:`~cachescore.errors.DATA_ERRORS`)
+    are recorded in the store and returned as ``failed``; other exceptions propagate (Dask retries
+    them, and a bug surfaces with its traceback).
 
-    Raises ``ValueError`` for a unit planned out of core (``params["engine"] == "distributed"``)
-    with the default functions: such a unit is driven from the client by :func:`drive_large_unit`
-    (what :func:`~.execute.execute_plan` does), never loaded into one task.
+    Raises ``ValueError`` for a unit of another kind: a large-scope unit is driven from the client
+    by :func:`drive_large_unit`, a probe unit runs as :func:`run_probe_task`.
     """
-    from ..store import ResultsStore
-
-    default_fns = unit_fn is None and load_fn is None
-    if unit.params.get("engine") == "distributed" and default_fns:
-        raise ValueError(f"{unit.label}: a large-scope unit is driven from the client (drive_large_unit), "
-                         "not run as one task")
-    unit_fn = score_unit if unit_fn is None else unit_fn
-    load_fn = load_unit_inputs if load_fn is None else load_fn
+    if unit.kind is not UnitKind.SCORE:
+        raise ValueError(f"{unit.label}: a {unit.kind.value} unit is not run as one metric task (a large-scope "
+                         "unit is driven from the client by drive_large_unit; a probe unit runs as run_probe_task)")
     store = ResultsStore(unit.store_root)
     t0 = time.perf_counter()
     with single_thread_blas(), captured_warnings() as caught:
         try:
-            features, manifest = load_fn(unit)
+            features, manifest = load_unit_inputs(unit)
             t1 = time.perf_counter()
-            record, per_unit = unit_fn(unit, features, manifest)
+            record, per_unit = score_unit(unit, features, manifest)
         except DATA_ERRORS as exc:
             return _record_failure(store, unit, exc, run_id=run_id, started=t0)
     return _write_result(store, unit, record, per_unit, started=t0, loaded=t1, caught=caught, run_id=run_id)
 
 
 def drive_large_unit(unit, client, run_id: str | None = None, retries: int = 0) -> dict:
-    """Score a unit planned out of core (``params["engine"] == "distributed"``) from the calling
+    """Score a unit planned out of core (:attr:`~.plan.UnitKind.LARGE`) from the calling
     process, normally the client's (:func:`~.execute.execute_plan` runs several on threads).
 
     The unit's O(n) state (view frame, scope codes, per-unit values, memory-mapped neighbour tables)
     lives here; its searches run on ``client``'s workers as tasks that each hold at most one chunk
-    or one target piece (:mod:`~.large_scope`), so worker memory does not grow with the scope.
+    or one target piece (:mod:`cachescore.neighbors.large_scope`), so worker memory does not grow with the scope.
     Returns the status dict of :func:`run_unit` (``worker_pid`` is this process). Never raises:
     a data error is recorded as the unit's failure at once; any other exception (a lost worker, a
     cancelled task) is retried ``retries`` times (completed scratch artefacts are reused), then
     recorded as the failure.
     """
-    from ..store import ResultsStore
-
     store = ResultsStore(unit.store_root)
     t0 = time.perf_counter()
     for attempt in range(retries + 1):
@@ -417,31 +378,23 @@ def _record_failure(store, unit, exc: BaseException, *, run_id, started: float) 
             "worker_pid": os.getpid()}
 
 
-def run_probe_task(unit, bundle_root, run_id: str | None = None, probe_fn=None) -> dict:
-    """The Dask task for one probe-sweep unit (``unit.metric == "probe"``). Returns a status dict
+def run_probe_task(unit, bundle_root, run_id: str | None = None) -> dict:
+    """The Dask task for one probe-sweep unit (:attr:`UnitKind.PROBE`). Returns a status dict
     like :func:`run_unit` (``{"fingerprint", "label", "status", "seconds", "error"?, "records"?}``).
 
     Runs :func:`~.probe_unit.run_probe_unit` inside ``distributed.worker_client()``: the task
     leaves the worker's thread pool while the sweep's (replicate, split) tasks run on the cluster,
     so metric units and other probe units proceed concurrently; the evaluation bundle goes under
-    ``bundle_root`` and one record per (matrix, reduction) into the unit's store. Same failure
-    policy as :func:`run_unit`: a data error (:data:`DATA_ERRORS`: unfit view, leakage, corrupt
-    embeddings) is recorded as the unit's failure and returned as ``failed`` (not retried);
-    anything else propagates and Dask retries the task. ``probe_fn`` replaces ``run_probe_unit``
-    (same signature; tests).
+    ``bundle_root`` and one record per (matrix, reduction) into the unit's store. The planned input
+    fingerprints (``unit.inputs``) are used as they are: the view is not hashed again on the worker.
+    Same failure policy as :func:`run_unit`.
     """
-    from distributed import worker_client
-
-    from ..store import ResultsStore
-    from .probe_unit import run_probe_unit, write_probe_records
-
-    probe_fn = run_probe_unit if probe_fn is None else probe_fn
     store = ResultsStore(unit.store_root)
     t0 = time.perf_counter()
     try:
         with worker_client() as client:
-            records, _ = probe_fn(unit.cache_root, unit.encoder, unit.view, unit.params, bundle_root=bundle_root,
-                                  client=client, code_version=unit.code_version)
+            records, _ = run_probe_unit(unit.cache_root, unit.encoder, unit.view, unit.params, bundle_root=bundle_root,
+                                        client=client, code_version=unit.code_version, inputs=unit.inputs)
     except DATA_ERRORS as exc:
         return _record_failure(store, unit, exc, run_id=run_id, started=t0)
     written = write_probe_records(store, records, run_id=run_id)

@@ -25,6 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, TextIO
 
+from ..jobs import load_job
+from ..store import ResultsStore
+from .execute import ensure_demo_cache, run_job
+from .plan import plan_job
+from .status import pending_reasons
+
 __all__ = ["WatchPoll", "poll_job", "watch_job"]
 
 
@@ -49,10 +55,6 @@ def _say(out: TextIO | None, msg: str) -> None:
 def poll_job(job) -> tuple[list, list]:
     """Plan ``job`` and split its pending units into ``(new, known_failures)`` (see module
     docstring). Raises what :func:`~.plan.plan_job` raises (missing cache, unknown encoder/view)."""
-    from ..store import ResultsStore
-    from .plan import plan_job
-    from .status import pending_reasons
-
     store = ResultsStore(job.store)
     plan = plan_job(job, store=store)
     reasons = pending_reasons(plan, store=store)
@@ -83,9 +85,6 @@ def watch_job(job_or_path, *, interval: float = 300.0, max_runs: int | None = No
     Returns the list of :class:`WatchPoll` (one per poll). Job-level errors (unreadable job file,
     missing cache) raise; failed units do not (they are in each poll's summary and the store).
     """
-    from ..jobs import load_job
-    from .execute import ensure_demo_cache, run_job
-
     if max_runs is not None and int(max_runs) < 1:
         raise ValueError(f"max_runs must be >= 1 or None, got {max_runs!r}")
     if float(interval) < 0:

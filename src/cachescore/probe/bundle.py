@@ -49,9 +49,10 @@ import numpy as np
 import pandas as pd
 
 from .._hashing import sha256_file
-from .._version import package_versions
 from .._jsonsafe import json_safe
-from .evaluate import SweepEvaluation
+from .._version import package_versions
+from .evaluate import SweepEvaluation, evaluate_sweep
+from .plan import _prepare
 
 __all__ = [
     "BUNDLE_SCHEMA_VERSION",
@@ -471,8 +472,6 @@ def run_encoder_evaluation(
 
     Returns ``(bundle path, skipped)``.
     """
-    from .evaluate import evaluate_sweep
-    from .plan import _prepare
 
     plan_keys = ("schedule", "test_sets", "rows_per_slide", "iterations", "seed",
                  "validation_fraction", "arrange_slides")

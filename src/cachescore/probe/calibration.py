@@ -28,6 +28,8 @@ from scipy.optimize import minimize_scalar
 from scipy.special import log_softmax, softmax
 from sklearn.metrics import confusion_matrix
 
+from ..errors import UnscorableError
+
 __all__ = [
     "CALIBRATION_COLUMNS",
     "TEMPERATURE_BOUNDS",
@@ -372,5 +374,5 @@ def fit_temperature(y, decision) -> float:
         lambda u: _nll_at(z, y, math.exp(u)), bounds=(math.log(lo), math.log(hi)), method="bounded"
     )
     if not res.success:
-        raise RuntimeError(f"temperature fit did not converge: {res.message}")
+        raise UnscorableError(f"temperature fit did not converge: {res.message}")
     return float(min(max(math.exp(res.x), lo), hi))

@@ -12,22 +12,18 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-
 from .._threads import single_thread_blas
-from .fit import ProbeOutcome, fit_probe
-
-if TYPE_CHECKING:  # pragma: no cover
-    from cachescore.probe.sweep import ProbeJob
+from .fit import ProbeOutcome, ProbeTask, fit_probe
 
 __all__ = ["run_probe_job", "run_probe_jobs"]
 
 
 def run_probe_job(
-    job: ProbeJob,
+    job: ProbeTask,
     features: np.ndarray,
     labels: np.ndarray,
     test_names: Sequence[str],
@@ -58,7 +54,7 @@ def run_probe_job(
 
 
 def run_probe_jobs(
-    jobs: Sequence[ProbeJob],
+    jobs: Sequence[ProbeTask],
     features: np.ndarray,
     labels: np.ndarray,
     test_sets: Mapping[str, tuple[np.ndarray, np.ndarray]],

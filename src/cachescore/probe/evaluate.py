@@ -56,7 +56,21 @@ import pandas as pd
 
 from .._threads import single_thread_blas
 from . import calibration as cal
-from .audit import LeakageError, _error_message, audit_content, audit_sweep, combine_leakage
+from .audit import (
+    LeakageError,
+    _as_parts,
+    _error_message,
+    audit_content,
+    audit_sweep,
+    combine_leakage,
+)
+from .distributed import run_probe_job
+from .fit import C_GRID, IN_DOMAIN, balanced_accuracy
+from .plan import ProbePlan, _prepare
+from .plan import plan_sha256 as _hash
+from .reductions import apd as _apd
+from .reductions import cramers_v as _cramers_v
+from .reductions import nipd as _nipd
 
 __all__ = [
     "METRIC_COLUMNS",
@@ -123,7 +137,6 @@ UNKNOWN_CENTRE = "unknown"
 
 def role_kind(role: str) -> str:
     """``val`` -> ``val``; ``in_domain`` -> ``test_id``; any extra test set -> ``test_ood``."""
-    from .fit import IN_DOMAIN
 
     return "val" if role == "val" else ("test_id" if role == IN_DOMAIN else "test_ood")
 
@@ -278,7 +291,6 @@ def _f1_macro(cm: np.ndarray) -> float:
 
 
 def _scalar_metrics(y, pred, p_raw, p_cal, n_classes: int, n_bins: int) -> tuple[dict, np.ndarray]:
-    from .fit import balanced_accuracy
 
     n = int(y.size)
     cm = cal.confusion_counts(y, pred, n_classes)
@@ -360,7 +372,6 @@ def evaluate_outcome(
             f"replicate {outcome.replicate}, split {outcome.split}: outcome carries no decision "
             "scores; run the sweep with keep_predictions=True"
         )
-    from .fit import IN_DOMAIN
 
     classes = np.asarray(outcome.classes, dtype=np.int64)
     r, s = int(outcome.replicate), int(outcome.split)
@@ -481,7 +492,6 @@ def _fit_and_evaluate(job, features, labels, row_centres, names, eval_kw, *flat)
     ``flat`` = ``(X_0, y_0, ..., X_{m-1}, y_{m-1}, centres_0, ..., centres_{m-1})`` in ``names``
     order (a centre array may be None). BLAS is pinned to one thread for the whole task.
     """
-    from .distributed import run_probe_job
 
     m = len(names)
     tests = flat[: 2 * m]
@@ -523,7 +533,6 @@ def _centre_codes(confounders, test_set_confounders, test_sizes):
 def _identity_columns(frame: pd.DataFrame, groups, tile_ids, test_set_groups,
                       centre_names: list[str]) -> pd.DataFrame:
     """Add tile key, protected-group ids and centre name to a predictions frame (vectorised)."""
-    from .audit import _as_parts
 
     n = len(frame)
     in_dom = frame["role_kind"].isin(["val", "test_id"]).to_numpy()
@@ -765,7 +774,6 @@ def evaluate_sweep(
     ValueError
         Invalid inputs (sweep catalogue, identities, n_bins, class names).
     """
-    from .plan import _prepare
 
     n_bins = cal._check_n_bins(n_bins)
     if _prepared is None:
@@ -799,7 +807,6 @@ def evaluate_sweep(
     eval_kw = {"n_classes": n_classes, "n_bins": n_bins, "temperature_scaling": bool(temperature_scaling)}
     results = _run_tasks(plan.jobs, features, lab, row_centres, named_tests, test_centres, eval_kw, client)
 
-    from .reductions import cramers_v as _cramers_v
 
     notes: list[str] = list(plan_audit["warnings"]) + list(content["warnings"])
     requested_v = None
@@ -834,9 +841,6 @@ def evaluate_sweep(
 def _assemble(results, *, plan_sha256, replicate_seeds, matrix_names, n_splits, lab, n_classes,
               class_names, prob_cols, centre_names, groups, tile_ids, test_set_groups, vv, audit,
               content, split_reports_, notes, params) -> SweepEvaluation:
-    from .fit import C_GRID
-    from .reductions import apd as _apd
-    from .reductions import nipd as _nipd
 
     results = sorted(results, key=lambda t: (t[0].replicate, t[0].split))
     iterations = len(replicate_seeds)
@@ -923,7 +927,6 @@ def evaluate_run(
     the content audit runs only when ``embeddings`` is given (otherwise the leakage record says
     ``not_audited``). ``protected_level`` as :func:`evaluate_sweep`.
     """
-    from .plan import plan_sha256 as _hash
 
     n_bins = cal._check_n_bins(n_bins)
     labels = np.asarray(labels)
@@ -962,7 +965,6 @@ def evaluate_run(
                     f"matrix '{name}'[{oc.split}, {oc.replicate}] = "
                     f"{run.matrices[name][oc.split, oc.replicate]!r} differs from the outcome's score {value!r}"
                 )
-    from .reductions import cramers_v as _cramers_v
 
     notes: list[str] = list(audit["warnings"]) + (list(content["warnings"]) if content else [])
     vv = None
@@ -973,7 +975,6 @@ def evaluate_run(
         notes.append(f"Cramér's V undefined: {exc}")
     seeds = [int(s) for s in run.replicate_seeds]
     n_splits = next(iter(run.matrices.values())).shape[0]
-    from .plan import ProbePlan
 
     jobs = tuple(outcomes)
     pseudo_plan = ProbePlan(jobs=jobs, replicate_seeds=tuple(seeds), n_rows=int(n_rows), n_splits=n_splits,

@@ -238,3 +238,16 @@ def fit_probe(
         val_labels=np.asarray(y_val) if keep_predictions else None,
         test_labels=test_labels if keep_predictions else None,
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProbeTask:
+    """The inputs of one (replicate, split) probe, as produced by the driver-side replay (a *probe
+    task*: what one Dask task of a sweep fits; not a job file)."""
+
+    replicate: int
+    split: int
+    seed: int
+    train_rows: np.ndarray
+    val_rows: np.ndarray
+    test_rows: np.ndarray

@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from . import sweep as sw
+
 __all__ = ["PLAN_FORMAT", "ProbePlan", "build_probe_plan", "plan_sha256"]
 
 #: Identifier of the canonical plan serialisation hashed by :func:`plan_sha256`.
@@ -48,7 +50,7 @@ class ProbePlan:
 
     Attributes
     ----------
-    jobs : tuple of ``cachescore.probe.sweep.ProbeJob`` in ``(replicate, split)`` order;
+    jobs : tuple of ``cachescore.probe.fit.ProbeTask`` in ``(replicate, split)`` order;
         ``train_rows``, ``val_rows``, ``test_rows`` (role ``test_id``) are int64 indices into the
         embeddings.
     replicate_seeds : tuple[int, ...]
@@ -89,7 +91,6 @@ def plan_sha256(jobs: Sequence[Any], *, n_rows: int, replicate_seeds: Sequence[i
 def _prepare(embeddings, confounders, labels, *, schedule, test_sets, rows_per_slide, iterations,
              seed, validation_fraction, arrange_slides):
     """Validate (croma's order) and replay; return ``(plan, features, labels, named_tests)``."""
-    from . import sweep as sw
 
     features = sw._as_features(embeddings)
     n_rows = features.shape[0]

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.typing import ArrayLike
 
-from cachescore.probe.schedule import SplitPlan
+from .schedule import SplitPlan
 
 __all__ = ["apd", "nipd", "cramers_v", "sweep_nipd"]
 

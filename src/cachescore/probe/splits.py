@@ -33,6 +33,7 @@ from sklearn.model_selection import (
     LeaveOneGroupOut,
     LeavePGroupsOut,
     StratifiedGroupKFold,
+    StratifiedKFold,
     train_test_split,
 )
 
@@ -361,7 +362,6 @@ def _kfold(y_codes, g_codes, k, seed, where):
         warnings.simplefilter("ignore", UserWarning)  # "least populated class" notes
         try:
             if g_codes is None:
-                from sklearn.model_selection import StratifiedKFold
 
                 return list(StratifiedKFold(k, shuffle=True, random_state=seed).split(dummy, y_codes))
             return list(StratifiedGroupKFold(k, shuffle=True, random_state=seed).split(dummy, y_codes, g_codes))

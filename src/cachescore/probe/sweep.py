@@ -24,12 +24,13 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
-from cachescore.probe.fit import IN_DOMAIN, ProbeOutcome
-from cachescore.probe.schedule import SplitPlan
+from .distributed import run_probe_jobs
+from .fit import IN_DOMAIN, ProbeOutcome, ProbeTask
+from .schedule import SplitPlan
 
 __all__ = [
     "IN_DOMAIN",
-    "ProbeJob",
+    "ProbeTask",
     "ProbeOutcome",
     "SlideArrangement",
     "SweepRun",
@@ -46,18 +47,6 @@ SlideCells = Sequence[Sequence[Sequence[Sequence[int]]]]
 
 #: ``(cells, rng) -> cells``: one replicate's reordering of every cell's slides (spec §3.9).
 SlideArrangement = Callable[[Any, random.Random], Any]
-
-
-@dataclass(frozen=True, kw_only=True)
-class ProbeJob:
-    """The inputs of one (replicate, split) probe, as produced by the driver-side replay."""
-
-    replicate: int
-    split: int
-    seed: int
-    train_rows: np.ndarray
-    val_rows: np.ndarray
-    test_rows: np.ndarray
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -296,10 +285,10 @@ def _replay(
     replicate_seeds: list[int],
     rows_per_slide: int,
     arrange_slides: SlideArrangement | None,
-) -> list[ProbeJob]:
+) -> list[ProbeTask]:
     """Run every replicate's arrangement in column order (carry-over) and cut its splits."""
     cells = [list(row) for row in cells]  # our own copy; arrays are replaced, never mutated
-    jobs: list[ProbeJob] = []
+    jobs: list[ProbeTask] = []
     empty = np.empty(0, dtype=np.int64)
     for r, replicate_seed in enumerate(replicate_seeds):
         rng = random.Random(replicate_seed)
@@ -321,7 +310,7 @@ def _replay(
                 tail.setflags(write=False)  # one array for several outcomes: read-only
                 tails[plan.first_held_out] = tail
             jobs.append(
-                ProbeJob(
+                ProbeTask(
                     replicate=r,
                     split=s,
                     seed=replicate_seed,
@@ -399,8 +388,6 @@ def sweep_outcomes(
 
     replicate_seeds = random.Random(seed).sample(range(0, SEED_POOL), iterations)
     jobs = _replay(cells, plans, replicate_seeds, rows_per_slide, arrange_slides)
-
-    from cachescore.probe.distributed import run_probe_jobs
 
     outcomes = run_probe_jobs(
         jobs, features, lab, named_tests, client=client, keep_predictions=keep_predictions

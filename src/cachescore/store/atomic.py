@@ -14,7 +14,7 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, BinaryIO
+from typing import BinaryIO, Callable
 
 __all__ = [
     "PARTIAL_SUFFIX",

@@ -27,6 +27,7 @@ import hashlib
 import io
 import json
 import re
+import time
 import uuid
 from pathlib import Path
 
@@ -34,9 +35,18 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .atomic import atomic_write, atomic_write_json, sweep_partials
 from .._jsonsafe import json_safe
-from .schema import FAILURES_SCHEMA, RECORD_VERSION, SCORES_SCHEMA, STORE_LAYOUT_VERSION, failure_to_row, record_to_row, rows_to_frame, utc_now
+from .atomic import atomic_write, atomic_write_json, sweep_partials
+from .schema import (
+    FAILURES_SCHEMA,
+    RECORD_VERSION,
+    SCORES_SCHEMA,
+    STORE_LAYOUT_VERSION,
+    failure_to_row,
+    record_to_row,
+    rows_to_frame,
+    utc_now,
+)
 
 __all__ = ["ResultsStore", "StoreError", "CorruptRecordError"]
 
@@ -299,7 +309,6 @@ class ResultsStore:
         removed = sweep_partials(self.path, older_than_s=older_than_s)
         base = self.path / "units"
         if base.is_dir():
-            import time
 
             cutoff = time.time() - older_than_s
             for f in base.glob("*/.*.parquet"):

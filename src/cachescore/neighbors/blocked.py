@@ -28,9 +28,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-
 from .._threads import single_thread_blas
-from ..neighbors.typed import (
+from .exact import cross_group_knn
+from .typed import (
     COUNT_BLOCK_ROWS,
     DEFAULT_BLOCK_ROWS,
     count_block,
@@ -71,8 +71,6 @@ def _count_task(us, gs, floor, qs, block_rows):
 
 
 def _cross_group_task(u, groups, kmax, r0, r1, kwargs):
-    from ..neighbors.exact import cross_group_knn
-
     with single_thread_blas():
         return r0, cross_group_knn(u, groups, kmax, rows=slice(r0, r1), **kwargs)
 
@@ -132,7 +130,7 @@ def distributed_typed_knn(client, u, labels, confounders, groups, m, *, block_ro
     us_f, gs_f, layout_f = _scatter(client, np.ascontiguousarray(u[layout.order]), gs, layout)
     try:
         futures = [client.submit(_typed_task, us_f, gs_f, layout_f, blk, m, pure=False) for blk in layout.blocks]
-        parts = _gather_or_cancel(client, futures)
+        parts = gather_or_cancel(client, futures)
         return typed_merge(layout, parts, m, u.dtype)
     finally:
         _release(us_f, gs_f, layout_f)
@@ -159,13 +157,13 @@ def distributed_count_within(client, u, groups, radius, *, block_rows=None) -> n
     us_f, gs_f, floor_f = _scatter(client, np.ascontiguousarray(u[order]), gs, floor)
     try:
         futures = [client.submit(_count_task, us_f, gs_f, floor_f, qs, b, pure=False) for qs in range(0, n, b)]
-        parts = _gather_or_cancel(client, futures)
+        parts = gather_or_cancel(client, futures)
         return count_merge(n, order, parts)
     finally:
         _release(us_f, gs_f, floor_f)
 
 
-def _gather_or_cancel(client, futures):
+def gather_or_cancel(client, futures):
     """Gather ``futures``; if one task fails, cancel the others before re-raising its error."""
     try:
         return client.gather(futures)
@@ -191,16 +189,14 @@ def distributed_cross_group_knn(client, u, groups, kmax, *, block_rows=None, **s
     n = u.shape[0]
     b = _block_rows(block_rows)
     if n == 0:
-        from ..neighbors.exact import cross_group_knn
-
-        return cross_group_knn(u, groups, kmax, **search_kwargs)
+            return cross_group_knn(u, groups, kmax, **search_kwargs)
     u_f, g_f = _scatter(client, u, np.asarray(groups))
     try:
         futures = [
             client.submit(_cross_group_task, u_f, g_f, kmax, r0, min(r0 + b, n), search_kwargs, pure=False)
             for r0 in range(0, n, b)
         ]
-        parts = sorted(_gather_or_cancel(client, futures), key=lambda p: p[0])
+        parts = sorted(gather_or_cancel(client, futures), key=lambda p: p[0])
         idx = np.concatenate([p[1][0] for p in parts], axis=0)
         dist = np.concatenate([p[1][1] for p in parts], axis=0)
         return idx, dist

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .._finite import nonfinite_rows
+from ._finite import nonfinite_rows
 
 __all__ = [
     "GROUP_COLUMN",

@@ -1,0 +1,71 @@
+"""Out-of-core, distributed neighbour search (an engine of :mod:`cachescore.neighbors`) of one large scope (DESIGN §4 "Large scopes", §6 "Scale").
+
+A metric unit whose scope has at least ``[neighbors] large_scope_rows`` rows is not a task: the
+client process drives it (:func:`cachescore.pipeline.unit.drive_large_unit`) through this module,
+which fans the search out over the cluster's workers:
+
+1. **Partition** (once per scope, shared by every unit of that scope):
+   a sample of rows is read from the cache and normalised, and a spherical k-means gives ``C``
+   centroids (``C = ceil(n / ROWS_PER_CLUSTER)``); then one task per *chunk* of the scope's rows
+   (``CHUNK_BYTES`` of embeddings) reads its rows **from the cache on the worker**, checks them
+   (NaN/inf name the view rows), normalises them (croma's two-step rule, spec §1.7), assigns each
+   to its nearest centroid and writes them to a scratch ``.npy`` sorted by cluster, with their
+   metadata (scope position and codes, :data:`INDEX_COLUMNS`) in the same order. The tasks find
+   the scope's tileset rows and codes in ``rows.npy``, written once by the driver.
+2. **Calibration and audit** (ANN only): two seeded query samples get their exact answers from
+   one brute-force task per chunk (merged by ``(distance, index)``); the calibration sample picks
+   the smallest probe fraction whose recall reaches the target plus half the margin (each true
+   neighbour's cluster tells at which fraction it is probed: :func:`~cachescore.neighbors.partition.probe_levels`).
+3. **Search**: one task per batch of query clusters reads its queries and the clusters they probe
+   (cross-group: ``f`` of all rows; typed: ``f`` of every SO/OS target cell) from the chunk files
+   in pieces of at most ``PIECE_ROWS`` rows, runs the exact kernel
+   (:func:`~cachescore.neighbors.partition.topk_tiles`) and writes a part file. The driver copies
+   the parts into memory-mapped ``(n, k)`` tables, which the metrics read in row blocks.
+4. **Recall**: measured on the audit sample against its exact answers (tie-robust, like
+   :mod:`cachescore.neighbors.ann`). Below the target, the fraction grows to the next level and
+   the search reruns; ``f = 1`` probes every cluster, i.e. is an exact search (the ``exact``
+   backend on large scopes runs with ``f = 1`` directly, without sampling).
+
+Memory per task: one chunk (partition), or ``BATCH_ROWS`` queries plus one ``PIECE_ROWS`` piece
+of targets with their metadata (search); a task's arguments are paths, per-chunk cluster bounds
+(chunks × clusters), a batch's probe plan or a bounded query sample, never O(n) (so a worker's
+memory does not grow with the scope). Memory of the driver: O(n) codes, cluster ids and
+positions, the metric's per-unit values, and the memory-mapped tables' pages.
+
+Scratch: ``<store>/scratch/large/<key>/<scope>/`` where ``key`` fingerprints the unit's inputs, design,
+confounder column, seed and code version (:func:`scratch_dir`), so concurrent units of one scope (RI and MaRI share a table)
+coordinate through a ``distributed.Lock`` per artefact and reuse what is complete (``done.json``
+written last; parts and tables written under temporary names and renamed). A run that is killed
+resumes from the completed artefacts; :func:`remove_scratch` deletes a run's folders at its end.
+"""
+
+
+from .driver import LargeScopeSearch
+from .files import (
+    CALIBRATION_QUERIES,
+    CHUNK_BYTES,
+    FRACTIONS,
+    KMEANS_MAX_SAMPLE,
+    KMEANS_MIN_SAMPLE,
+    ROWS_PER_CLUSTER,
+    ScopeRows,
+    remove_scratch,
+    scratch_dir,
+    scratch_root,
+)
+from .tasks import read_scope_rows
+
+__all__ = [
+    "CALIBRATION_QUERIES",
+    "CHUNK_BYTES",
+    "FRACTIONS",
+    "KMEANS_MAX_SAMPLE",
+    "KMEANS_MIN_SAMPLE",
+    "ROWS_PER_CLUSTER",
+    "LargeScopeSearch",
+    "ScopeRows",
+    "read_scope_rows",
+    "remove_scratch",
+    "scratch_dir",
+    "scratch_root",
+]

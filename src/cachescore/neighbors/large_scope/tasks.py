@@ -1,0 +1,178 @@
+"""Worker task bodies of the out-of-core engine: read a sample, partition a chunk, brute-force
+exact answers per chunk, search one batch of query clusters. Every argument is bounded by
+``chunks x clusters`` or a query sample, never O(n)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..._finite import nonfinite_rows
+from ..._threads import single_thread_blas
+from ...cache import Cache
+from ...store.atomic import atomic_write
+from ..normalize import normalize_rows
+from ..partition import (
+    assign_clusters,
+    topk_tiles,
+)
+from . import (
+    files as tunables,  # the engine's tunables, read at call time (tests patch them)
+)
+from .files import Layout, ScopeFiles, atomic_save_npz
+
+
+def read_scope_rows(cache_root, encoder, tileset, tile_rows, positions, source) -> np.ndarray:
+    """Task body: normalised rows of the scope ``positions`` (their tileset rows ``tile_rows``)."""
+    x = Cache(cache_root).load_rows(encoder, tileset, np.asarray(tile_rows, dtype=np.int64))
+    bad = nonfinite_rows(x)
+    if bad.size:
+        shown = [int(i) for i in np.asarray(positions)[bad[:5]]]
+        raise ValueError(f"{source}: embeddings contain NaN or infinite values at scope rows {shown}"
+                         + (f" (and {bad.size - 5} more)" if bad.size > 5 else ""))
+    return normalize_rows(x)
+
+
+# ----------------------------------------------------------------------------- worker tasks
+#
+# Every task's arguments are O(chunks × clusters) at most (file paths, per-chunk cluster bounds, a
+# batch's probe plan, a bounded query sample); rows, codes and positions are read from scratch files.
+
+
+def sample_task(files: ScopeFiles, positions: np.ndarray, tile_rows: np.ndarray) -> np.ndarray:
+    with single_thread_blas():
+        return read_scope_rows(files.cache_root, files.encoder, files.tileset, tile_rows, positions, files.source)
+
+
+def chunk_task(files: ScopeFiles, start: int, stop: int, centroids: np.ndarray, path: str, meta_path: str):
+    """Read, check, normalise and assign scope positions ``start:stop``; write them sorted by
+    cluster to ``path`` and their metadata ((r, 4) int64: scope position, group, label, confounder)
+    to ``meta_path`` in the same order. Returns ``(positions in file order (int64), cluster bounds (C+1,))``."""
+    with single_thread_blas():
+        index = files.index(start, stop)
+        pos = np.arange(start, stop, dtype=np.int64)
+        u = read_scope_rows(files.cache_root, files.encoder, files.tileset, index[:, 0], pos, files.source)
+        cl = assign_clusters(u, centroids)
+        order = np.argsort(cl, kind="stable")
+        bounds = np.searchsorted(cl[order], np.arange(centroids.shape[0] + 1)).astype(np.int64)
+        atomic_write(Path(path), lambda fh: np.save(fh, np.ascontiguousarray(u[order])))
+        del u
+        index[:, 0] = pos
+        atomic_write(Path(meta_path), lambda fh: np.save(fh, np.ascontiguousarray(index[order])))
+        return pos[order], bounds
+
+
+
+def brute_task(layout: Layout, j: int, qv: np.ndarray, q_codes: np.ndarray, kinds: tuple, k: int) -> dict:
+    """Exact top-k of each kind for the sample queries (vectors ``qv``, codes ``q_codes`` (q, 3):
+    group, label, confounder) over chunk ``j`` (all its rows)."""
+    with single_thread_blas():
+        q = q_codes.shape[0]
+        out = {kind: (np.full((q, k), -1, np.int64), np.full((q, k), np.inf)) for kind in kinds}
+        Targets(layout.n_conf, *layout.read_chunk(j)).search(qv, tuple(q_codes.T), np.arange(q), k, out, None)
+        return out
+
+
+def search_task(layout: Layout, batch: dict, kinds: tuple, k: int, path: str) -> int:
+    """Search the query clusters of ``batch`` and write a part file; returns its query count.
+
+    ``batch`` maps a query cluster ``a`` to its probe plan: ``{"cross": probed clusters}``, or for
+    the typed kinds ``{"cells": {target cell: probed clusters}}`` (cell code ``label * n_conf +
+    confounder``). Targets are read in pieces of at most :data:`PIECE_ROWS` rows (whole clusters)
+    and searched by :meth:`Targets.search`.
+    """
+    with single_thread_blas():
+        q_clusters = sorted(batch)
+        qv, qmeta, qcl = layout.read_clusters(q_clusters)
+        q_codes = (qmeta[:, 1], qmeta[:, 2], qmeta[:, 3])
+        res = {kind: (np.full((qv.shape[0], k), -1, np.int64), np.full((qv.shape[0], k), np.inf)) for kind in kinds}
+        needed = sorted({int(c) for a in q_clusters for c in plan_clusters(batch[a])})
+        # targets in pieces of at most tunables.PIECE_ROWS rows (whole clusters)
+        sizes = layout.sizes
+        piece: list[int] = []
+        rows_in_piece = 0
+        pieces = []
+        for c in needed:
+            if piece and rows_in_piece + sizes[c] > tunables.PIECE_ROWS:
+                pieces.append(piece)
+                piece, rows_in_piece = [], 0
+            piece.append(c)
+            rows_in_piece += int(sizes[c])
+        if piece:
+            pieces.append(piece)
+        for piece in pieces:
+            target = Targets(layout.n_conf, *layout.read_clusters(piece))
+            for a in q_clusters:
+                target.search(qv, q_codes, np.flatnonzero(qcl == a), k, res, batch[a])
+            del target
+        arrays = {"pos": qmeta[:, 0]}
+        for kind in kinds:
+            arrays[f"{kind}_idx"], arrays[f"{kind}_dist"] = res[kind]
+        atomic_save_npz(Path(path), **arrays)
+        return int(qv.shape[0])
+
+
+class Targets:
+    """One piece of target rows (vectors, scope positions, groups) and their order by (cell, cluster).
+
+    The vectors stay as read (no sorted copy): ``order`` lists row numbers by (cell, cluster), so a
+    target cell is one contiguous run of ``order``, and the kernel gathers the selected rows one
+    tile at a time (:func:`~cachescore.neighbors.partition.topk_tiles` ``rows=``). The typed search
+    runs per target cell, separately for the queries it serves as SO pool (same label, other
+    confounder) and as OS pool (other label, same confounder): each pair is computed once, and
+    only the group rule remains to be masked.
+    """
+
+    def __init__(self, n_conf: int, tv: np.ndarray, meta: np.ndarray, cluster: np.ndarray):
+        self.n_conf, self.tv = n_conf, tv
+        cell = meta[:, 2] * n_conf + meta[:, 3]
+        self.order = np.lexsort((cluster, cell))
+        self.tpos, self.t_groups = meta[:, 0], meta[:, 1]
+        self.cluster = cluster[self.order]  # by position in ``order``
+        cell = cell[self.order]
+        cells = np.unique(cell)
+        lo, hi = np.searchsorted(cell, cells), np.searchsorted(cell, cells, side="right")
+        self.span = {int(c): (int(a), int(b)) for c, a, b in zip(cells, lo, hi)}
+
+    def select(self, lo: int, hi: int, clusters) -> np.ndarray:
+        """Row numbers of ``order[lo:hi]`` whose cluster is in ``clusters`` (None = all)."""
+        if clusters is None:
+            return self.order[lo:hi]
+        return self.order[lo:hi][np.isin(self.cluster[lo:hi], clusters)]
+
+    def search(self, qv, q_codes, qsel, k, res: dict, plan: dict | None) -> None:
+        """Merge the top-k of queries ``qsel`` over this piece into ``res`` (kind -> (idx, dist)
+        of all queries), probing what ``plan`` allows (see :func:`search_task`; None = all).
+        ``q_codes`` = (groups, labels, confounders) of all queries."""
+        if "cross" in res:
+            clusters = None if plan is None else plan["cross"]
+            self._run(qv, q_codes, qsel, self.select(0, self.tpos.size, clusters), k, res["cross"])
+            return
+        ql, qc = q_codes[1][qsel], q_codes[2][qsel]
+        for tc, (lo, hi) in self.span.items():
+            if plan is not None and tc not in plan["cells"]:
+                continue
+            tsel = self.select(lo, hi, None if plan is None else plan["cells"][tc])
+            tl, tcf = divmod(tc, self.n_conf)
+            self._run(qv, q_codes, qsel[(ql == tl) & (qc != tcf)], tsel, k, res["so"])
+            self._run(qv, q_codes, qsel[(ql != tl) & (qc == tcf)], tsel, k, res["os"])
+
+    def _run(self, qv, q_codes, qsel, tsel, k, table) -> None:
+        if qsel.size == 0 or tsel.size == 0:
+            return
+        bi, bd = table
+        sub_i, sub_d = bi[qsel], bd[qsel]
+        # the targets are this query set's pool (one cell, or the probed scope): only groups mask
+        topk_tiles(qv[qsel], q_codes[0][qsel], self.tv, self.tpos, self.t_groups, k, sub_i, sub_d, rows=tsel)
+        bi[qsel], bd[qsel] = sub_i, sub_d
+
+
+def plan_clusters(plan: dict):
+    if "cross" in plan:
+        yield from plan["cross"]
+    else:
+        for clus in plan["cells"].values():
+            yield from clus
+
+

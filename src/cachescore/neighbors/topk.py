@@ -1,0 +1,126 @@
+"""Top-k merge kernels shared by every neighbour engine (numpy in, numpy out).
+
+Every table is ``(idx, dist)`` of shape ``(b, k)``: int64 target indices (``-1`` pads) and float64
+distances (``+inf`` pads), sorted per row by ``(dist, idx)`` (ADR-0001: ties broken by the smaller
+index). Each kernel is exact under ties.
+
+* :func:`topk` — the k best of a candidate matrix;
+* :func:`merge_tables` — two tables of disjoint candidates into one;
+* :func:`merge_tile` — a distance tile into a running table, in place (float32 fast path
+  :func:`merge_keys`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["topk", "merge_tables", "merge_tile", "merge_keys", "MERGE_CANDIDATES"]
+
+
+def topk(dist: np.ndarray, idx: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, the k entries smallest by ``(dist, idx)``; +inf entries come out as (-1, +inf).
+
+    ``dist`` (b, w) float64 with +inf for invalid entries, ``idx`` (b, w) int64. Returns (b, k).
+    Exact under ties: the partition threshold keeps every entry equal to the k-th value.
+    """
+    b, w = dist.shape
+    out_i = np.full((b, k), -1, dtype=np.int64)
+    out_d = np.full((b, k), np.inf, dtype=np.float64)
+    if b == 0 or w == 0:
+        return out_i, out_d
+    if w > 4 * k:
+        thr = np.partition(dist, k - 1, axis=1)[:, k - 1 : k]
+        r, c = np.nonzero(dist <= thr)
+        d = dist[r, c]
+        i = idx[r, c]
+    else:
+        r = np.repeat(np.arange(b), w)
+        d = dist.ravel()
+        i = idx.ravel()
+    order = np.lexsort((i, d, r))
+    r, d, i = r[order], d[order], i[order]
+    start = np.searchsorted(r, np.arange(b))
+    rank = np.arange(r.size) - start[r]
+    keep = (rank < k) & np.isfinite(d)
+    out_i[r[keep], rank[keep]] = i[keep]
+    out_d[r[keep], rank[keep]] = d[keep]
+    return out_i, out_d
+
+
+def merge_tables(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray], k: int):
+    """Merge two (idx, dist) top lists of disjoint candidates into one top-k by (dist, idx)."""
+    return topk(np.concatenate([a[1], b[1]], axis=1), np.concatenate([a[0], b[0]], axis=1), k)
+
+
+#: :func:`merge_tile` tightens its per-row threshold when more than this many × k entries per
+#: row (on average) would pass it, bounding its candidate arrays by the tile's rows × k.
+MERGE_CANDIDATES = 4
+
+
+def merge_tile(bi, bd, dist, tids, k):
+    """Merge a distance tile ``dist`` (b, w) (+inf = not eligible) over target rows ``tids`` (w,)
+    into the running top-k ``bi`` / ``bd`` (b, k) by (dist, idx), in place. An entry farther than
+    the row's current k-th distance is dropped before any sort (ties with it are kept), and so is
+    every ``+inf`` entry (a row with fewer than k eligible entries so far has threshold ``+inf``,
+    and ``inf <= inf`` must not turn its whole masked row into candidates)."""
+    thr = bd[:, k - 1].astype(dist.dtype)
+    if dist.shape[1] > k and not np.isfinite(thr).all():
+        thr = np.minimum(thr, np.partition(dist, k - 1, axis=1)[:, k - 1])
+    np.minimum(thr, np.finfo(dist.dtype).max, out=thr)
+    b, w = dist.shape
+    passing = dist <= thr[:, None]
+    if w > k and np.count_nonzero(passing) > MERGE_CANDIDATES * b * k:
+        # a tile much closer than the rows' current k-th neighbours: keep each row's own k best
+        # (ties included) so the candidate arrays stay O(b k), not O(b w)
+        thr = np.minimum(thr, np.partition(dist, k - 1, axis=1)[:, k - 1])
+        passing = dist <= thr[:, None]
+    flat = np.flatnonzero(passing)
+    del passing
+    if flat.size == 0:
+        return
+    r = flat // w
+    c = flat - r * w
+    if dist.dtype == np.float32:
+        ib = max(int(tids.max(initial=0)), int(bi.max(initial=0)), 1).bit_length() + 1
+        rb = max(1, (b - 1).bit_length())
+        if rb + 31 + ib <= 64:
+            merge_keys(bi, bd, np.ravel(dist)[flat], r, tids[c], k, ib)
+            return
+    rows = np.concatenate([np.repeat(np.arange(b), k), r])
+    dd = np.concatenate([bd.ravel(), dist[r, c].astype(np.float64)])
+    ii = np.concatenate([bi.ravel(), tids[c]])
+    order = np.lexsort((ii, dd, rows))
+    rows, dd, ii = rows[order], dd[order], ii[order]
+    rank = np.arange(rows.size) - np.searchsorted(rows, np.arange(b))[rows]
+    keep = (rank < k) & np.isfinite(dd)
+    bi[:] = -1
+    bd[:] = np.inf
+    bi[rows[keep], rank[keep]] = ii[keep]
+    bd[rows[keep], rank[keep]] = dd[keep]
+
+
+def merge_keys(bi, bd, new_d, new_r, new_i, k, ib):
+    """float32 fast path of :func:`merge_tile`: (row, distance, index) packed into one uint64
+    (row · 2^(31+ib) + float32 bits · 2^ib + index; the bits of a non-negative float32 order like
+    its value), so one ``np.sort`` replaces a three-key ``lexsort``. Exact: same result."""
+    b = bi.shape[0]
+    u64 = np.uint64
+    sh_d, sh_r = u64(ib), u64(31 + ib)
+    pad = (1 << ib) - 1
+    acc_bits = bd.astype(np.float32).view(np.uint32).astype(u64) & u64(0x7FFFFFFF)
+    acc = (np.repeat(np.arange(b, dtype=u64), bi.shape[1]) << sh_r) | (acc_bits.ravel() << sh_d) | np.where(
+        bi < 0, pad, bi
+    ).astype(u64).ravel()
+    new = (new_r.astype(u64) << sh_r) | ((new_d.view(np.uint32).astype(u64) & u64(0x7FFFFFFF)) << sh_d) | new_i.astype(u64)
+    keys = np.concatenate([acc, new])
+    keys.sort()
+    rows = (keys >> sh_r).astype(np.int64)
+    rank = np.arange(rows.size) - np.searchsorted(rows, np.arange(b))[rows]
+    keep = rank < k
+    keys, rows, rank = keys[keep], rows[keep], rank[keep]
+    d = ((keys >> sh_d) & u64(0x7FFFFFFF)).astype(np.uint32).view(np.float32)
+    fin = np.isfinite(d)
+    bi[:] = -1
+    bd[:] = np.inf
+    bi[rows[fin], rank[fin]] = (keys[fin] & u64(pad)).astype(np.int64)
+    bd[rows[fin], rank[fin]] = d[fin]

@@ -1,0 +1,350 @@
+"""The ``[probe]`` parameters of a probe-sweep unit: :class:`ProbeParams` (validated, frozen),
+their documented keys (:data:`PROBE_KEYS`), :class:`RowFilter` and :class:`ProbeParamsError`.
+
+The job schema (:mod:`cachescore.jobs.schema`) reads the ``[probe]`` table through
+:meth:`ProbeParams.from_dict`; the pipeline fingerprints :meth:`ProbeParams.to_dict`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from .schedule import PATHOROB_SPLITS, pathorob_schedule
+
+__all__ = ["PROBE_KEYS", "PROBE_METRICS", "ProbeParams", "ProbeParamsError", "RowFilter"]
+
+
+#: Reductions stored per matrix; the ``metric`` column of the records (display: APD, nIPD).
+PROBE_METRICS = ("apd", "nipd")
+
+#: Keys of the ``[probe]`` table, with their meaning (``*`` = required).
+PROBE_KEYS: dict[str, str] = {
+    "schedule": "* PathoROB name ('camelyon' | 'tcga' | 'tolkach_esca') or a list of splits, each "
+                "{split_map = [[i, j, take], ...], max_train_slides = n}; take = training ROWS of "
+                "cell (confounder i, class j), a multiple of rows_per_slide; balanced split first",
+    "rows_per_slide": "* rows (tiles) per slide; every in-domain slide must hold exactly this many rows",
+    "n_splits": "walk only the first n splits of a named schedule (default: all)",
+    "iterations": "replicates (columns of the matrices), default 20",
+    "seed": "base seed of the replicate seeds, default 1000",
+    "validation_fraction": "validation rows per cell as a fraction of its training rows "
+                           "(default: PathoROB's take / max_train_slides)",
+    "confounder_column": "view column holding the confounder (default: the view's confounder column)",
+    "confounder_order": "confounder values in index order (default: sorted unique in-domain values)",
+    "class_order": "label values in index order (default: sorted unique in-domain labels)",
+    "id_filter": "{column, value | values}: the in-domain rows (default: every row no test set selects)",
+    "test_sets": "{name = {column, value | values}}: unseen-confounder test sets scored by every probe",
+    "group_levels": "{audit level = view column}; must include 'slide' (default {slide = 'group_id'})",
+    "protected_level": "the group level the split protects (default: the coarsest of patient > case > slide "
+                       "in group_levels); overlaps at coarser identity levels are warnings, not critical",
+    "tile_key": "view columns forming a tile's identity (default ['sample_id'])",
+    "temperature": "fit temperature scaling on each probe's validation rows (default false)",
+    "n_bins": "calibration bins (default 15)",
+}
+_REQUIRED = ("schedule", "rows_per_slide")
+_SELF = "ProbeParams"
+
+
+class ProbeParamsError(ValueError):
+    """Invalid probe parameters or inputs; the message names the source, the key and the rows."""
+
+
+# ---------------------------------------------------------------------------------------------
+# parameters
+
+
+def _bad(where: str, key: str, expected: str, value: Any) -> ProbeParamsError:
+    return ProbeParamsError(f"{where}: '{key}' must be {expected}, got {value!r}")
+
+
+def _int(where, key, value, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) < minimum:
+        raise _bad(where, key, f"an integer >= {minimum}", value)
+    return int(value)
+
+
+def _name_list(where, key, value, *, allow_empty: bool = False) -> tuple[str, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) and not isinstance(value, np.ndarray):
+        raise _bad(where, key, "a list of values", value)
+    out = tuple(str(v) for v in value)
+    if not out and not allow_empty:
+        raise _bad(where, key, "a non-empty list", value)
+    dup = sorted({v for v in out if out.count(v) > 1})
+    if dup:
+        raise ProbeParamsError(f"{where}: '{key}' lists {dup} more than once (values are compared as text)")
+    return out
+
+
+def _check_keys(where: str, prefix: str, d: Mapping, known: Sequence[str]) -> None:
+    for key in d:
+        if key not in known:
+            raise ProbeParamsError(f"{where}: unknown key '{prefix}{key}' (known: {', '.join(known)})")
+
+
+@dataclass(frozen=True)
+class RowFilter:
+    """Rows of a view whose ``column`` (compared as text) is one of ``values``."""
+
+    column: str
+    values: tuple[str, ...]
+
+    @classmethod
+    def parse(cls, value: Any, *, where: str, key: str) -> RowFilter:
+        """From ``RowFilter`` or ``{"column": str, "value": v}`` / ``{"column": str, "values": [..]}``."""
+        if isinstance(value, RowFilter):
+            return value
+        if not isinstance(value, Mapping):
+            raise _bad(where, key, "a table {column, value} or {column, values}", value)
+        _check_keys(where, f"{key}.", value, ("column", "value", "values"))
+        column = value.get("column")
+        if not isinstance(column, str) or not column.strip():
+            raise _bad(where, f"{key}.column", "a non-empty column name", column)
+        if ("value" in value) == ("values" in value):
+            raise ProbeParamsError(f"{where}: '{key}' needs exactly one of 'value' or 'values'")
+        if "value" in value:
+            v = value["value"]
+            if isinstance(v, (Mapping, list, tuple)) or v is None:
+                raise _bad(where, f"{key}.value", "one scalar value", v)
+            values = (str(v),)
+        else:
+            values = _name_list(where, f"{key}.values", value["values"])
+        return cls(column=column.strip(), values=values)
+
+    def to_dict(self) -> dict:
+        return {"column": self.column, "values": list(self.values)}
+
+    def mask(self, frame: pd.DataFrame, *, where: str) -> np.ndarray:
+        """Boolean mask (len(frame),) of the selected rows; missing column -> ProbeParamsError."""
+        if self.column not in frame.columns:
+            raise ProbeParamsError(f"{where}: no column {self.column!r} (columns: {', '.join(map(str, frame.columns))})")
+        text = frame[self.column].astype(str).to_numpy(dtype=object)
+        return pd.Index(self.values).get_indexer(text) >= 0
+
+    def describe(self) -> str:
+        vals = self.values[0] if len(self.values) == 1 else list(self.values)
+        return f"{self.column} {'==' if len(self.values) == 1 else 'in'} {vals!r}"
+
+
+def _schedule(where: str, key: str, value: Any, rows_per_slide: int) -> str | tuple:
+
+    if isinstance(value, str):
+        if value not in PATHOROB_SPLITS:
+            raise _bad(where, key, f"one of {sorted(PATHOROB_SPLITS)} or a list of splits", value)
+        return value
+    if isinstance(value, Mapping) or not isinstance(value, Sequence):
+        raise _bad(where, key, f"one of {sorted(PATHOROB_SPLITS)} or a list of splits", value)
+    if len(value) < 2:
+        raise ProbeParamsError(f"{where}: '{key}' must hold the balanced split and at least one "
+                               f"confounded split after it, got {len(value)} split(s)")
+    out = []
+    for s, split in enumerate(value):
+        here = f"{key}[{s}]"
+        if isinstance(split, Mapping):
+            _check_keys(where, f"{here}.", split, ("split_map", "max_train_slides"))
+            for k in ("split_map", "max_train_slides"):
+                if k not in split:
+                    raise ProbeParamsError(f"{where}: '{here}' lacks the key '{k}'")
+            split_map, mts = split["split_map"], split["max_train_slides"]
+        elif isinstance(split, Sequence) and not isinstance(split, str) and len(split) == 2:
+            split_map, mts = split
+        else:
+            raise _bad(where, here, "a table {split_map, max_train_slides}", split)
+        mts = _int(where, f"{here}.max_train_slides", mts, minimum=1)
+        if isinstance(split_map, (str, Mapping)) or not isinstance(split_map, Sequence) or not split_map:
+            raise _bad(where, f"{here}.split_map", "a non-empty list of [i, j, take]", split_map)
+        entries = []
+        for e, entry in enumerate(split_map):
+            ehere = f"{here}.split_map[{e}]"
+            if isinstance(entry, (str, Mapping)) or not isinstance(entry, Sequence) or len(entry) != 3:
+                raise _bad(where, ehere, "[confounder index, class index, training rows]", entry)
+            i, j, take = (_int(where, ehere, v, minimum=0) for v in entry)
+            if take % rows_per_slide:
+                raise ProbeParamsError(
+                    f"{where}: '{ehere}' takes {take} training rows, not a multiple of rows_per_slide="
+                    f"{rows_per_slide}; a partial slide would put one slide in two roles")
+            entries.append((i, j, take))
+        cells = [(i, j) for i, j, _ in entries]
+        if len(set(cells)) != len(cells):
+            raise ProbeParamsError(f"{where}: '{here}.split_map' names a cell twice")
+        out.append((tuple(sorted(entries)), mts))
+    return tuple(out)
+
+
+def _normalise(d: Mapping, *, where: str, prefix: str) -> dict:
+    """Validate and normalise raw parameter values (the keys of :data:`PROBE_KEYS`)."""
+    k = lambda name: f"{prefix}{name}"  # noqa: E731
+    out: dict = {}
+    out["rows_per_slide"] = _int(where, k("rows_per_slide"), d.get("rows_per_slide"), minimum=1)
+    out["schedule"] = _schedule(where, k("schedule"), d.get("schedule"), out["rows_per_slide"])
+    n_splits = d.get("n_splits")
+    if n_splits is not None:
+        n_splits = _int(where, k("n_splits"), n_splits, minimum=1)
+        if not isinstance(out["schedule"], str):
+            raise ProbeParamsError(f"{where}: '{k('n_splits')}' applies to a named schedule only; "
+                                   "list only the splits you want instead")
+
+        if n_splits > PATHOROB_SPLITS[out["schedule"]]:
+            raise _bad(where, k("n_splits"), f"at most {PATHOROB_SPLITS[out['schedule']]} for "
+                       f"{out['schedule']!r}", n_splits)
+    out["n_splits"] = n_splits
+    out["iterations"] = _int(where, k("iterations"), d.get("iterations", 20), minimum=1)
+    out["seed"] = _int(where, k("seed"), d.get("seed", 1000), minimum=0)
+    vf = d.get("validation_fraction")
+    if vf is not None:
+        if isinstance(vf, bool) or not isinstance(vf, (int, float, np.floating, np.integer)) \
+                or not 0.0 <= float(vf) < 1.0:
+            raise _bad(where, k("validation_fraction"), "a number in [0, 1)", vf)
+        vf = float(vf)
+    out["validation_fraction"] = vf
+    cc = d.get("confounder_column")
+    if cc is not None and (not isinstance(cc, str) or not cc.strip()):
+        raise _bad(where, k("confounder_column"), "a column name", cc)
+    out["confounder_column"] = None if cc is None else cc.strip()
+    for name in ("confounder_order", "class_order"):
+        v = d.get(name)
+        out[name] = None if v is None else _name_list(where, k(name), v)
+    idf = d.get("id_filter")
+    out["id_filter"] = None if idf is None else RowFilter.parse(idf, where=where, key=k("id_filter"))
+    ts = d.get("test_sets", {}) or {}
+    if isinstance(ts, Mapping):
+        items = list(ts.items())
+    elif isinstance(ts, Sequence) and not isinstance(ts, str) and all(
+            isinstance(t, Sequence) and not isinstance(t, str) and len(t) == 2 for t in ts):
+        items = [tuple(t) for t in ts]
+    else:
+        raise _bad(where, k("test_sets"), "a table {name = {column, value}}", ts)
+    tests = []
+    for name, sel in items:
+        if not isinstance(name, str) or not name.strip() or name in ("in_domain", "val"):
+            raise _bad(where, k("test_sets"), "names other than 'in_domain' and 'val' (reserved roles)", name)
+        tests.append((name, RowFilter.parse(sel, where=where, key=f"{k('test_sets')}.{name}")))
+    if len({n for n, _ in tests}) != len(tests):
+        raise ProbeParamsError(f"{where}: '{k('test_sets')}' names a test set twice")
+    out["test_sets"] = tuple(tests)
+    gl = d.get("group_levels", {"slide": "group_id"})
+    items = list(gl.items()) if isinstance(gl, Mapping) else (list(gl) if isinstance(gl, (list, tuple)) else None)
+    if not items or not all(isinstance(t, (tuple, list)) and len(t) == 2 and isinstance(t[0], str)
+                            and isinstance(t[1], str) and t[0].strip() and t[1].strip() for t in items):
+        raise _bad(where, k("group_levels"), "a table {level = column} with a 'slide' level", gl)
+    levels = tuple((str(a).strip(), str(b).strip()) for a, b in items)
+    if "slide" not in dict(levels):
+        raise ProbeParamsError(f"{where}: '{k('group_levels')}' must name the 'slide' level (the view column "
+                               f"whose rows form one slide), got {dict(levels)}")
+    reserved = sorted({lvl for lvl, _ in levels} & {"row", "tile"})
+    if reserved:
+        raise ProbeParamsError(f"{where}: '{k('group_levels')}' uses reserved level name(s) {reserved}")
+    out["group_levels"] = levels
+    pl = d.get("protected_level")
+    if pl is not None and (not isinstance(pl, str) or pl.strip() not in dict(levels)):
+        raise _bad(where, k("protected_level"), f"one of the group levels {sorted(dict(levels))}", pl)
+    out["protected_level"] = None if pl is None else pl.strip()
+    tk = d.get("tile_key", ("sample_id",))
+    out["tile_key"] = _name_list(where, k("tile_key"), [tk] if isinstance(tk, str) else tk)
+    temp = d.get("temperature", False)
+    if not isinstance(temp, (bool, np.bool_)):
+        raise _bad(where, k("temperature"), "true or false", temp)
+    out["temperature"] = bool(temp)
+    out["n_bins"] = _int(where, k("n_bins"), d.get("n_bins", 15), minimum=2)
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProbeParams:
+    """Parameters of one probe-sweep work unit (see :data:`PROBE_KEYS` for every key).
+
+    Construct directly (mappings and lists are accepted and normalised to tuples) or from a job
+    file's ``[probe]`` table with :meth:`from_dict`. Values are validated on construction;
+    errors are :class:`ProbeParamsError` (a ``ValueError``) naming the key.
+    ``schedule`` is normalised to a PathoROB name or a tuple of ``(split_map, max_train_slides)``
+    with ``split_map`` a sorted tuple of ``(i, j, take)``; ``test_sets`` / ``group_levels`` to
+    tuples of pairs, in the given order.
+    """
+
+    schedule: Any
+    rows_per_slide: int
+    n_splits: int | None = None
+    iterations: int = 20
+    seed: int = 1000
+    validation_fraction: float | None = None
+    confounder_column: str | None = None
+    confounder_order: tuple[str, ...] | None = None
+    class_order: tuple[str, ...] | None = None
+    id_filter: RowFilter | None = None
+    test_sets: Any = ()
+    group_levels: Any = (("slide", "group_id"),)
+    protected_level: str | None = None
+    tile_key: Any = ("sample_id",)
+    temperature: bool = False
+    n_bins: int = 15
+
+    def __post_init__(self):
+        raw = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, value in _normalise(raw, where=_SELF, prefix="").items():
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def from_dict(cls, d: Mapping, *, source: str, prefix: str = "probe") -> ProbeParams:
+        """Parameters from a job file's ``[probe]`` table.
+
+        Parameters
+        ----------
+        d : mapping of the keys in :data:`PROBE_KEYS` (TOML types: strings, ints, floats,
+            booleans, arrays, tables).
+        source : str
+            Where ``d`` comes from (e.g. the job file path); starts every error message.
+        prefix : str
+            Dotted name of the table, used in messages (``probe`` -> ``'probe.seed'``).
+
+        Raises
+        ------
+        ProbeParamsError (a ValueError)
+            Not a table; an unknown key (named, with the known keys); a required key missing;
+            any invalid value (named by its dotted key).
+        """
+        dotted = f"{prefix}." if prefix else ""
+        if not isinstance(d, Mapping):
+            raise ProbeParamsError(f"{source}: '{prefix or 'probe'}' must be a table, got {type(d).__name__}")
+        _check_keys(source, dotted, d, tuple(PROBE_KEYS))
+        for key in _REQUIRED:
+            if key not in d:
+                raise ProbeParamsError(f"{source}: missing required key '{dotted}{key}' ({PROBE_KEYS[key][2:]})")
+        return cls(**_normalise(d, where=source, prefix=dotted))
+
+    @classmethod
+    def coerce(cls, params: ProbeParams | Mapping, *, source: str = "probe parameters") -> ProbeParams:
+        """``params`` itself, or :meth:`from_dict` of a mapping."""
+        return params if isinstance(params, ProbeParams) else cls.from_dict(params, source=source, prefix="")
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able dict of every parameter (normalised); what fingerprints and provenance hold.
+        ``ProbeParams.from_dict(p.to_dict(), source=...) == p``."""
+        sched = self.schedule if isinstance(self.schedule, str) else [
+            {"split_map": [list(e) for e in sm], "max_train_slides": mts} for sm, mts in self.schedule]
+        return {
+            "schedule": sched, "rows_per_slide": self.rows_per_slide, "n_splits": self.n_splits,
+            "iterations": self.iterations, "seed": self.seed, "validation_fraction": self.validation_fraction,
+            "confounder_column": self.confounder_column,
+            "confounder_order": None if self.confounder_order is None else list(self.confounder_order),
+            "class_order": None if self.class_order is None else list(self.class_order),
+            "id_filter": None if self.id_filter is None else self.id_filter.to_dict(),
+            "test_sets": {n: f.to_dict() for n, f in self.test_sets},
+            "group_levels": dict(self.group_levels), "protected_level": self.protected_level,
+            "tile_key": list(self.tile_key),
+            "temperature": self.temperature, "n_bins": self.n_bins,
+        }
+
+    def resolved_schedule(self) -> list:
+        """The schedule as the sweep takes it: ``[(split_map, max_train_slides), ...]``."""
+
+        if isinstance(self.schedule, str):
+            return pathorob_schedule(self.schedule, rows_per_slide=self.rows_per_slide, n_splits=self.n_splits)
+        return [([tuple(e) for e in sm], mts) for sm, mts in self.schedule]
+
+    @property
+    def matrix_names(self) -> list[str]:
+        """Names of the matrices a sweep produces: ``in_domain`` then the test sets."""
+        return ["in_domain", *(n for n, _ in self.test_sets)]
