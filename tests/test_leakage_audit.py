@@ -304,3 +304,63 @@ def test_group_spanning_centres_is_a_warning_with_examples():
     assert rep["groups_spanning_centres"]["slide"] == {"n_groups": 1, "examples": ["s2"]}
     assert rep["groups_spanning_centres"]["patient"]["examples"] == ["p1"]
     assert any("span more than one centre" in w for w in rep["warnings"])
+
+
+# --------------------------------------------------------------------------- the rule table
+
+
+def test_the_audit_is_a_table_of_documented_rules():
+    from cachescore.probe import audit as audit_mod
+
+    assert audit_mod.RULES and {r.stage for r in audit_mod.RULES} <= {"sweep", "outcome", "close"}
+    checks = [r.check for r in audit_mod.RULES if r.check]
+    assert sorted(checks) == sorted(audit_mod._CHECK_ORDER) and len(set(checks)) == len(checks)
+    for rule in audit_mod.RULES:
+        doc = rule.run.__doc__ or ""
+        assert len(doc.split()) >= 6, f"{rule.run.__name__} needs a docstring saying what it checks"
+
+
+def test_rules_run_alone_on_their_facts():
+    """A rule is a function of (facts, findings[, outcome]): here rules 11 and 12 directly."""
+    from cachescore.probe import audit as audit_mod
+
+    outs = [oc(**CLEAN, split=0), oc(train=[0, 1, 2, 3], val=[4, 5], test=[8, 9, 10], split=1),
+            oc(**CLEAN, replicate=1, seed=7)]
+    facts = audit_mod._facts(outs, n_rows=12, groups={"slide": SLIDE}, tile_ids=TILE, labels=None, confounders=None,
+                             test_set_sizes=None, test_set_groups=None, test_set_confounders=None,
+                             require_class_coverage=True, require_seen_id_centres=True, protected_level=None)
+    found = audit_mod._Findings()
+    for raw in outs:
+        audit_mod._rule_test_set_drift(facts, found, audit_mod._outcome(raw, facts, found))
+    assert [b["level"] for b in found.breaches] == ["test_set_drift"]
+    assert found.breaches[0]["rows"] == [11] and found.breaches[0]["n_removed"] == 1
+    audit_mod._rule_replicate_seeds(facts, found)
+    assert found.breaches[-1]["level"] == "replicate_seeds" and found.breaches[-1]["ids"] == [7]
+
+
+def test_warning_order_does_not_depend_on_the_hash_seed():
+    """Coarser identity levels are reported in IDENTITY_LEVELS order (they were a set, so the
+    report's warnings changed order with PYTHONHASHSEED between processes)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import numpy as np, json\n"
+        "from types import SimpleNamespace as N\n"
+        "from cachescore.probe.audit import audit_sweep\n"
+        "s = np.array([f's{i}' for i in range(12)]); c = np.array([f'c{i // 4}' for i in range(12)])\n"
+        "p = np.array([f'p{i // 6}' for i in range(12)])\n"
+        "o = N(replicate=0, split=0, seed=1, train_rows=np.arange(0, 5), val_rows=np.arange(5, 7), test_rows=np.arange(7, 12))\n"
+        "r = audit_sweep([o], n_rows=12, groups={'slide': s, 'case': c, 'patient': p}, tile_ids=s,\n"
+        "                protected_level='slide')\n"
+        "print(json.dumps(r['warnings']))\n"
+    )
+    outs = set()
+    for seed in ("1", "2", "3"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        outs.add(res.stdout)
+    assert len(outs) == 1
+    warnings = json.loads(outs.pop())
+    assert [w.split()[0] for w in warnings] == ["case", "patient"]

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -295,17 +295,19 @@ def _breach(level, replicate, split, roles, ids_mask, level_obj, rows, extra=Non
     return d
 
 
-def _protection(groups: Mapping[str, Any], protected_level: str | None) -> tuple[str | None, frozenset]:
-    """``(protected level, levels coarser than it)`` for rule 5 (see :func:`audit_sweep`)."""
+def _protection(groups: Mapping[str, Any], protected_level: str | None) -> tuple[str | None, tuple[str, ...]]:
+    """``(protected level, levels coarser than it)`` for rule 5 (see :func:`audit_sweep`); the
+    coarser levels in :data:`IDENTITY_LEVELS` order, so the report's warnings come in an order that
+    does not depend on the process (a set's order follows the string hash seed)."""
     known = [lv for lv in IDENTITY_LEVELS if lv in groups]
     if protected_level is None:
-        return (known[-1] if known else None), frozenset()
+        return (known[-1] if known else None), ()
     if protected_level not in groups:
         raise ValueError(f"protected_level {protected_level!r} is not among the group levels {sorted(groups)}")
     if protected_level not in IDENTITY_LEVELS:
-        return protected_level, frozenset()
+        return protected_level, ()
     rank = IDENTITY_LEVELS.index(protected_level)
-    return protected_level, frozenset(lv for lv in known if IDENTITY_LEVELS.index(lv) > rank)
+    return protected_level, tuple(lv for lv in known if IDENTITY_LEVELS.index(lv) > rank)
 
 
 def _check_rows(rows, n_rows: int, *, role: str, replicate, split) -> np.ndarray:
@@ -345,6 +347,406 @@ def _error_message(breaches: list[dict]) -> str:
     return "\n".join([head, *lines, *more, fix])
 
 
+@dataclass
+class _SweepFacts:
+    """The validated inputs of one :func:`audit_sweep` call, computed once and read by every rule."""
+
+    n_rows: int
+    groups: Mapping[str, Any]
+    levels: dict  # name -> _Level over the in-domain rows then each group-audited test set
+    ts_levels: dict  # test set -> levels checked for it
+    offsets: dict  # test set -> first code position in the joint level codes
+    test_set_sizes: dict
+    test_set_confounders: Mapping[str, Any] | None
+    protected_level: str | None
+    coarser: tuple  # levels coarser than the protected one, fine to coarse
+    require_class_coverage: bool
+    require_seen_id_centres: bool
+    lab_codes: np.ndarray | None = None  # labels given: factorised class code per row
+    task_classes: np.ndarray | None = None
+    task_class_values: list | None = None
+    conf_level: _Level | None = None  # test-set confounders given: joint confounder coding
+    conf_off: dict | None = None  # test set -> (start, stop) in conf_level.codes
+    conf_codes: np.ndarray | None = None  # confounders given: code per in-domain row
+    conf_uniques: list | None = None
+
+
+@dataclass
+class _Findings:
+    """What the rules found: critical breaches, rule-5 overlaps, warnings, rule-7 spans, and the
+    per-replicate state of rules 11 and 12."""
+
+    breaches: list = field(default_factory=list)
+    coarse_found: list = field(default_factory=list)
+    warnings: list = field(default_factory=list)
+    spans: dict = field(default_factory=dict)
+    seeds_by_rep: dict = field(default_factory=dict)
+    test_ref: dict = field(default_factory=dict)
+
+
+@dataclass
+class _Outcome:
+    """One (replicate, split) outcome with its checked row sets and its per-outcome report entry."""
+
+    replicate: Any
+    split: Any
+    rows: dict  # role -> int64 row indices
+    entry: dict  # the outcome's ``per_outcome`` report entry, filled by the rules
+
+
+def _facts(outcomes, *, n_rows, groups, tile_ids, labels, confounders, test_set_sizes, test_set_groups,
+           test_set_confounders, require_class_coverage, require_seen_id_centres, protected_level) -> _SweepFacts:
+    """Validate :func:`audit_sweep`'s inputs (messages name the argument and the rows) and code them."""
+    if not outcomes:
+        raise ValueError("no sweep outcomes to audit; an empty audit never passes")
+    n_rows = int(n_rows)
+    if not isinstance(groups, Mapping) or not groups:
+        raise ValueError("groups must map at least one protected level name (e.g. 'slide') to ids")
+    test_set_sizes = dict(test_set_sizes or {})
+    for extra, what in ((test_set_groups, "test_set_groups"), (test_set_confounders, "test_set_confounders")):
+        unknown = sorted(set(extra or {}) - set(test_set_sizes))
+        if unknown:
+            raise ValueError(f"{what} names test set(s) {unknown} that are not among {sorted(test_set_sizes)}")
+    protected_level, coarser = _protection(groups, protected_level)
+    levels, ts_levels = _build_levels(n_rows, groups, tile_ids, test_set_sizes, test_set_groups)
+    offsets: dict[str, int] = {}  # offsets of each test set in the jointly factorised code arrays
+    off = n_rows
+    for ts, size in test_set_sizes.items():
+        if (test_set_groups or {}).get(ts) is not None:
+            offsets[ts] = off
+            off += size
+    f = _SweepFacts(n_rows=n_rows, groups=groups, levels=levels, ts_levels=ts_levels, offsets=offsets,
+                    test_set_sizes=test_set_sizes, test_set_confounders=test_set_confounders,
+                    protected_level=protected_level, coarser=coarser,
+                    require_class_coverage=require_class_coverage, require_seen_id_centres=require_seen_id_centres)
+    if labels is not None:
+        lab = np.asarray(labels)
+        if lab.shape != (n_rows,):
+            raise ValueError(f"labels must have shape ({n_rows},), got {lab.shape}")
+        lab_codes, lab_uniques = pd.factorize(pd.Series(lab), sort=True)
+        f.lab_codes, f.task_classes = lab_codes, np.arange(len(lab_uniques))
+        f.task_class_values = [_id(u) for u in lab_uniques]
+    if test_set_confounders:
+        if confounders is None:
+            raise ValueError("test_set_confounders needs the in-domain confounders to compare against")
+        conf = pd.Series(np.asarray(confounders))
+        if conf.shape != (n_rows,):
+            raise ValueError(f"confounders must have shape ({n_rows},), got {conf.shape}")
+        ts_conf_codes = {}
+        for ts, vals in test_set_confounders.items():
+            v = np.asarray(vals)
+            if v.shape != (test_set_sizes[ts],):
+                raise ValueError(
+                    f"test set '{ts}': confounders must have one entry per row ({test_set_sizes[ts]}), "
+                    f"got shape {v.shape}"
+                )
+            ts_conf_codes[ts] = v
+        all_conf = np.concatenate([conf.to_numpy(dtype=object)] +
+                                  [np.asarray(v, dtype=object) for v in ts_conf_codes.values()])
+        cc, cu = pd.factorize(pd.Series(all_conf))  # joint coding of confounder values
+        f.conf_level = _Level("ood_centre", cc.astype(np.int64), [_id(u) for u in cu], len(cu))
+        f.conf_off, o = {}, n_rows
+        for ts, v in ts_conf_codes.items():
+            f.conf_off[ts] = (o, o + v.shape[0])
+            o += v.shape[0]
+    if confounders is not None:
+        cv = np.asarray(confounders)
+        if cv.shape != (n_rows,):
+            raise ValueError(f"confounders must have shape ({n_rows},), got {cv.shape}")
+        codes, uniques = pd.factorize(pd.Series(cv, copy=False), sort=True)
+        f.conf_codes, f.conf_uniques = codes.astype(np.int64), [_id(u) for u in uniques]
+    return f
+
+
+def _outcome(oc, f: _SweepFacts, found: _Findings) -> _Outcome:
+    """The outcome's row sets, checked (1-D integer indices inside the embedding rows)."""
+    r, s = _id(oc.replicate), _id(oc.split)
+    rows = {
+        "train": _check_rows(oc.train_rows, f.n_rows, role="train", replicate=r, split=s),
+        "val": _check_rows(oc.val_rows, f.n_rows, role="val", replicate=r, split=s),
+        "in_domain": _check_rows(oc.test_rows, f.n_rows, role="in_domain", replicate=r, split=s),
+    }
+    found.seeds_by_rep.setdefault(r, set()).add(_id(getattr(oc, "seed", None)))
+    entry = {"replicate": r, "split": s, "seed": _id(getattr(oc, "seed", None)),
+             "n_train": int(rows["train"].size), "n_val": int(rows["val"].size),
+             "n_in_domain": int(rows["in_domain"].size), "overlap_counts": {},
+             "duplicate_tiles_within_role": {}, "missing_classes": {}}
+    return _Outcome(replicate=r, split=s, rows=rows, entry=entry)
+
+
+# ----------------------------------------------------------------------------- sweep-wide rules
+
+
+def _rule_conflicting_labels(f: _SweepFacts, found: _Findings) -> None:
+    """Rule 4: one tile key carries two classes among the in-domain rows (critical)."""
+    tile = f.levels["tile"]
+    tcodes = tile.codes[: f.n_rows]
+    pairs = np.unique(np.stack([tcodes, f.lab_codes], axis=1), axis=0)
+    multi = np.bincount(pairs[:, 0], minlength=tile.n_groups) > 1
+    if multi.any():
+        rows = np.flatnonzero(multi[tcodes])
+        found.breaches.append(_breach("conflicting_labels", None, None, ("labels",), multi, tile, rows))
+
+
+def _rule_unaudited_test_sets(f: _SweepFacts, found: _Findings) -> None:
+    """A test set given without group ids is recorded as not group-audited (warning)."""
+    for ts in f.test_set_sizes:
+        if ts not in f.offsets:
+            found.warnings.append(f"test set '{ts}': no group ids given, so its groups were not audited")
+
+
+def _rule_groups_spanning_centres(f: _SweepFacts, found: _Findings) -> None:
+    """Rule 7, warning part: a protected group whose in-domain rows span several centres."""
+    for name in f.groups:
+        lvl = f.levels[name]
+        pairs = np.unique(np.stack([lvl.codes[: f.n_rows], f.conf_codes], axis=1), axis=0)
+        multi = np.flatnonzero(np.bincount(pairs[:, 0], minlength=lvl.n_groups) > 1)
+        if multi.size:
+            found.spans[name] = {"n_groups": int(multi.size),
+                                 "examples": [lvl.uniques[i] for i in multi[:MAX_EXAMPLE_IDS]]}
+            found.warnings.append(f"{multi.size} {name}(s) span more than one centre, e.g. "
+                                  f"{found.spans[name]['examples']}")
+
+
+def _rule_group_spans_ood(f: _SweepFacts, found: _Findings) -> None:
+    """Rule 7, critical part: a protected group with rows among the in-domain rows and in an
+    unseen-confounder test set (whatever the plan does with them)."""
+    for name in f.groups:
+        if name in f.coarser:
+            continue
+        lvl = f.levels[name]
+        id_groups = _presence(lvl.codes[: f.n_rows], lvl.n_groups)
+        for ts, o in f.offsets.items():
+            if ts not in f.test_set_confounders or name not in f.ts_levels[ts]:
+                continue
+            tcodes = lvl.codes[o:o + f.test_set_sizes[ts]]
+            hit = _presence(tcodes, lvl.n_groups) & id_groups
+            if hit.any():
+                trows = np.flatnonzero(hit[tcodes])
+                found.breaches.append(_breach(
+                    "group_spans_ood", None, None, ("in-domain rows", ts), hit, lvl,
+                    np.flatnonzero(hit[lvl.codes[: f.n_rows]]),
+                    extra={"group_level": name, "test_set_rows": trows[:MAX_EXAMPLE_ROWS].tolist(),
+                           "n_test_set_rows": int(trows.size)}))
+
+
+# ----------------------------------------------------------------------------- per-outcome rules
+
+
+def _rule_rows_in_one_role(f: _SweepFacts, found: _Findings, oc: _Outcome) -> None:
+    """Rule 1: a row index in two roles of one outcome is refused at once (``LeakageError``,
+    whatever ``raise_on_leakage`` says)."""
+    role_of = np.full(f.n_rows, -1, dtype=np.int64)
+    row_breaches = []
+    for k, role in enumerate(ROLES):
+        rr = np.unique(oc.rows[role])
+        clash = rr[role_of[rr] >= 0]
+        if clash.size:
+            other = sorted({ROLES[i] for i in role_of[clash]})
+            row_breaches.append({
+                "level": "row", "replicate": oc.replicate, "split": oc.split, "roles": [*other, role],
+                "n_ids": int(clash.size), "ids": clash[:MAX_EXAMPLE_IDS].tolist(),
+                "n_rows": int(clash.size), "rows": clash[:MAX_EXAMPLE_ROWS].tolist(),
+            })
+        role_of[rr[role_of[rr] < 0]] = k
+    if row_breaches:
+        raise LeakageError(_error_message(row_breaches), row_breaches)
+
+
+def _rule_group_overlaps(f: _SweepFacts, found: _Findings, oc: _Outcome) -> None:
+    """Rules 2 and 5: a tile or group id in two roles, or in an in-domain role and an extra test
+    set. Critical at the protected levels and finer; coarser levels are recorded for rule 5."""
+    rows = oc.rows
+    for name, lvl in f.levels.items():
+        sink = found.coarse_found if name in f.coarser else found.breaches
+        pres = {role: _presence(lvl.codes[rows[role]], lvl.n_groups) for role in ROLES}
+        any_hit = np.zeros(lvl.n_groups, dtype=bool)
+        for i in range(len(ROLES)):
+            for j in range(i + 1, len(ROLES)):
+                a, b = ROLES[i], ROLES[j]
+                hit = pres[a] & pres[b]
+                if hit.any():
+                    both = np.concatenate([rows[a], rows[b]])
+                    both = both[hit[lvl.codes[both]]]
+                    sink.append(_breach(name, oc.replicate, oc.split, (a, b), hit, lvl, both))
+                    any_hit |= hit
+        used = pres["train"] | pres["val"] | pres["in_domain"]
+        for ts, o in f.offsets.items():  # extra test sets against every in-domain role
+            if name not in f.ts_levels[ts]:
+                continue
+            tcodes = lvl.codes[o:o + f.test_set_sizes[ts]]
+            hit = _presence(tcodes, lvl.n_groups) & used
+            if hit.any():
+                in_rows = np.concatenate([rows[k] for k in ROLES])
+                in_rows = np.unique(in_rows[hit[lvl.codes[in_rows]]])
+                trows = np.flatnonzero(hit[tcodes])
+                roles_hit = [k for k in ROLES if (pres[k] & hit).any()]
+                sink.append(_breach(name, oc.replicate, oc.split, (*roles_hit, ts), hit, lvl, in_rows,
+                                    extra={"test_set_rows": trows[:MAX_EXAMPLE_ROWS].tolist(),
+                                           "n_test_set_rows": int(trows.size)}))
+                any_hit |= hit
+        oc.entry["overlap_counts"][name] = int(any_hit.sum())
+
+
+def _rule_ood_centre(f: _SweepFacts, found: _Findings, oc: _Outcome) -> None:
+    """Rule 8: a centre of an unseen-confounder test set that train, val or in-domain test use."""
+    lvl, rows = f.conf_level, oc.rows
+    seen_rows = np.concatenate([rows[k] for k in ROLES])
+    seen = _presence(lvl.codes[seen_rows], lvl.n_groups)
+    n_hit = 0
+    for ts, (a, b) in f.conf_off.items():
+        tcodes = lvl.codes[a:b]
+        hit = _presence(tcodes, lvl.n_groups) & seen
+        if hit.any():
+            trows = np.flatnonzero(hit[tcodes])
+            in_rows = seen_rows[hit[lvl.codes[seen_rows]]]
+            roles_hit = [k for k in ROLES if hit[lvl.codes[rows[k]]].any()]
+            found.breaches.append(_breach("ood_centre", oc.replicate, oc.split, (*roles_hit, ts), hit, lvl, in_rows,
+                                          extra={"test_set_rows": trows[:MAX_EXAMPLE_ROWS].tolist(),
+                                                 "n_test_set_rows": int(trows.size)}))
+            n_hit += int(hit.sum())
+    oc.entry["overlap_counts"]["ood_centre"] = n_hit
+
+
+def _rule_test_set_drift(f: _SweepFacts, found: _Findings, oc: _Outcome) -> None:
+    """Rule 11: the in-domain test rows of a replicate are the same in every split."""
+    test_sorted = np.unique(oc.rows["in_domain"])
+    if oc.replicate not in found.test_ref:
+        found.test_ref[oc.replicate] = (oc.split, test_sorted)
+        return
+    s0, ref = found.test_ref[oc.replicate]
+    if ref.shape != test_sorted.shape or not np.array_equal(ref, test_sorted):
+        added = np.setdiff1d(test_sorted, ref)
+        removed = np.setdiff1d(ref, test_sorted)
+        changed = np.concatenate([added, removed])
+        found.breaches.append({
+            "level": "test_set_drift", "replicate": oc.replicate, "split": oc.split,
+            "roles": [f"in_domain@split {s0}", f"in_domain@split {oc.split}"],
+            "n_ids": int(changed.size), "ids": changed[:MAX_EXAMPLE_IDS].tolist(),
+            "n_rows": int(changed.size), "rows": changed[:MAX_EXAMPLE_ROWS].tolist(),
+            "n_added": int(added.size), "n_removed": int(removed.size),
+        })
+
+
+def _rule_duplicate_tiles(f: _SweepFacts, found: _Findings, oc: _Outcome) -> None:
+    """A tile key repeated inside one role: allowed, counted and warned about."""
+    tile = f.levels["tile"]
+    dup = oc.entry["duplicate_tiles_within_role"]
+    for role in ROLES:
+        counts = np.bincount(tile.codes[oc.rows[role]], minlength=tile.n_groups)
+        dup[role] = int((counts > 1).sum())
+        if dup[role]:
+            found.warnings.append(f"replicate {oc.replicate}, split {oc.split}: {dup[role]} tile key(s) "
+                                  f"repeated inside {role} (allowed inside one role)")
+
+
+def _rule_missing_class(f: _SweepFacts, found: _Findings, oc: _Outcome) -> None:
+    """Rule 9: a role (train / val / in_domain) lacking a class of the task is critical; relaxed
+    (``require_class_coverage=False``) it is a warning."""
+    missing = oc.entry["missing_classes"]
+    for role in ROLES:
+        absent = np.setdiff1d(f.task_classes, f.lab_codes[oc.rows[role]])
+        if not absent.size:
+            continue
+        missing[role] = [f.task_class_values[i] for i in absent.tolist()]
+        if not f.require_class_coverage:
+            found.warnings.append(f"replicate {oc.replicate}, split {oc.split}: {role} lacks class(es) "
+                                  f"{missing[role]}")
+        else:
+            found.breaches.append({
+                "level": f"missing_class:{role}", "replicate": oc.replicate, "split": oc.split,
+                "roles": [role], "n_ids": int(absent.size),
+                "ids": missing[role][:MAX_EXAMPLE_IDS], "n_rows": 0, "rows": [],
+            })
+
+
+def _rule_id_centre_unseen(f: _SweepFacts, found: _Findings, oc: _Outcome) -> None:
+    """Rule 6: a centre of the in-domain test rows never seen in training (critical)."""
+    cc, n, rows = f.conf_codes, len(f.conf_uniques), oc.rows
+    unseen = _presence(cc[rows["in_domain"]], n) & ~_presence(cc[rows["train"]], n)
+    if unseen.any():
+        trows = rows["in_domain"][unseen[cc[rows["in_domain"]]]]
+        found.breaches.append({
+            "level": "id_centre_unseen", "replicate": oc.replicate, "split": oc.split,
+            "roles": ["train", "in_domain"], "n_ids": int(unseen.sum()),
+            "ids": [f.conf_uniques[i] for i in np.flatnonzero(unseen)[:MAX_EXAMPLE_IDS]],
+            "n_rows": int(trows.size), "rows": np.unique(trows)[:MAX_EXAMPLE_ROWS].tolist(),
+        })
+
+
+# ----------------------------------------------------------------------------- closing rules
+
+
+def _rule_replicate_seeds(f: _SweepFacts, found: _Findings) -> None:
+    """Rule 12: one seed per replicate, distinct across replicates."""
+    multi_seed = {r: sorted(map(str, s)) for r, s in found.seeds_by_rep.items() if len(s) > 1}
+    if multi_seed:
+        found.breaches.append({"level": "replicate_seeds", "replicate": None, "split": None,
+                               "roles": ["replicate"], "n_ids": len(multi_seed),
+                               "ids": [[r, s] for r, s in list(multi_seed.items())[:MAX_EXAMPLE_IDS]],
+                               "n_rows": 0, "rows": []})
+    single = [(r, next(iter(s))) for r, s in found.seeds_by_rep.items() if len(s) == 1]
+    seed_vals = pd.Series([s for _, s in single], dtype=object)
+    dup = seed_vals[seed_vals.duplicated(keep=False) & seed_vals.notna()]
+    if len(dup):
+        found.breaches.append({"level": "replicate_seeds", "replicate": None, "split": None,
+                               "roles": ["replicate"], "n_ids": int(dup.nunique()),
+                               "ids": sorted({_id(v) for v in dup})[:MAX_EXAMPLE_IDS],
+                               "n_rows": 0, "rows": []})
+
+
+def _rule_coarser_overlaps(f: _SweepFacts, found: _Findings) -> None:
+    """Rule 5: overlaps at identity levels coarser than the protected one are counted and shown as
+    warnings, never hidden, never critical."""
+    for name in f.coarser:
+        mine = [b for b in found.coarse_found if b["level"] == name]
+        if mine:
+            examples = list(dict.fromkeys(i for b in mine for i in b["ids"]))[:MAX_EXAMPLE_IDS]
+            found.warnings.append(
+                f"{name} overlaps across roles in {len(mine)} case(s) (coarser than the protected "
+                f"level '{f.protected_level}', so a warning), e.g. {examples}; first: {_format_breach(mine[0])}")
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """One audit rule: ``check`` is its name in ``report["checks"]`` (None: a rule without a check
+    of its own: warnings, or part of the identity-level checks), ``stage`` when it runs
+    (``sweep``: once before the outcomes, ``outcome``: per outcome in order, ``close``: once after
+    them), ``applies`` whether the inputs enable it."""
+
+    check: str | None
+    stage: str
+    run: Callable
+    applies: Callable[[_SweepFacts], bool] = lambda f: True
+    #: whether ``check`` is listed as checked (default: whenever the rule applies)
+    checked: Callable[[_SweepFacts], bool] | None = None
+
+
+#: The rules, in the order they run within their stage (the order of breaches and warnings in
+#: the report).
+RULES: tuple[_Rule, ...] = (
+    _Rule("conflicting_labels", "sweep", _rule_conflicting_labels, lambda f: f.lab_codes is not None),
+    _Rule(None, "sweep", _rule_unaudited_test_sets),
+    _Rule(None, "sweep", _rule_groups_spanning_centres, lambda f: f.conf_codes is not None),
+    _Rule("group_spans_ood", "sweep", _rule_group_spans_ood, lambda f: bool(f.test_set_confounders)),
+    _Rule(None, "outcome", _rule_rows_in_one_role),
+    _Rule(None, "outcome", _rule_group_overlaps),
+    _Rule("ood_centre", "outcome", _rule_ood_centre, lambda f: f.conf_level is not None),
+    _Rule("test_set_drift", "outcome", _rule_test_set_drift),
+    _Rule(None, "outcome", _rule_duplicate_tiles),
+    _Rule("missing_class", "outcome", _rule_missing_class, lambda f: f.lab_codes is not None,
+          checked=lambda f: f.lab_codes is not None and f.require_class_coverage),
+    _Rule("id_centre_unseen", "outcome", _rule_id_centre_unseen,
+          lambda f: f.conf_codes is not None and f.require_seen_id_centres),
+    _Rule("replicate_seeds", "close", _rule_replicate_seeds),
+    _Rule(None, "close", _rule_coarser_overlaps),
+)
+
+#: Order of ``report["checks"]`` after the identity levels (``row``, ``tile``, the protected groups).
+_CHECK_ORDER = ("conflicting_labels", "ood_centre", "id_centre_unseen", "missing_class", "group_spans_ood",
+                "test_set_drift", "replicate_seeds")
+
+
 def audit_sweep(
     outcomes: Sequence[Any],
     *,
@@ -362,6 +764,10 @@ def audit_sweep(
     protected_level: str | None = None,
 ) -> dict:
     """Audit every (replicate, split) outcome of a sweep; return a JSON-serialisable report.
+
+    The audit is the table :data:`RULES` run over validated inputs: sweep-wide rules first, then
+    every outcome's rules in order, then the closing rules; each rule is a small function with its
+    own docstring (rule numbers of spec/evaluation.md C.3).
 
     Parameters
     ----------
@@ -398,322 +804,56 @@ def audit_sweep(
         range; inconsistent test-set inputs.
     """
     outcomes = list(outcomes)
-    if not outcomes:
-        raise ValueError("no sweep outcomes to audit; an empty audit never passes")
-    n_rows = int(n_rows)
-    if not isinstance(groups, Mapping) or not groups:
-        raise ValueError("groups must map at least one protected level name (e.g. 'slide') to ids")
-    test_set_sizes = dict(test_set_sizes or {})
-    for extra, what in ((test_set_groups, "test_set_groups"), (test_set_confounders, "test_set_confounders")):
-        unknown = sorted(set(extra or {}) - set(test_set_sizes))
-        if unknown:
-            raise ValueError(f"{what} names test set(s) {unknown} that are not among {sorted(test_set_sizes)}")
-
-    protected_level, coarser = _protection(groups, protected_level)
-    levels, ts_levels = _build_levels(n_rows, groups, tile_ids, test_set_sizes, test_set_groups)
-    # offsets of each test set in the jointly factorised code arrays
-    offsets: dict[str, int] = {}
-    off = n_rows
-    for ts, size in test_set_sizes.items():
-        if (test_set_groups or {}).get(ts) is not None:
-            offsets[ts] = off
-            off += size
-
-    breaches: list[dict] = []
-    coarse_found: list[dict] = []  # rule 5: overlaps at levels coarser than the protected one
-    warnings: list[str] = []
-    checks = ["row", "tile", *[g for g in groups if g not in coarser]]
-
-    # conflicting labels: one tile key with two classes (over every in-domain row)
-    if labels is not None:
-        checks.append("conflicting_labels")
-        lab = np.asarray(labels)
-        if lab.shape != (n_rows,):
-            raise ValueError(f"labels must have shape ({n_rows},), got {lab.shape}")
-        tcodes = levels["tile"].codes[:n_rows]
-        lab_codes, lab_uniques = pd.factorize(pd.Series(lab), sort=True)
-        task_classes = np.arange(len(lab_uniques))
-        task_class_values = [_id(u) for u in lab_uniques]
-        pairs = np.unique(np.stack([tcodes, lab_codes], axis=1), axis=0)
-        multi = np.bincount(pairs[:, 0], minlength=levels["tile"].n_groups) > 1
-        if multi.any():
-            rows = np.flatnonzero(multi[tcodes])
-            breaches.append(_breach("conflicting_labels", None, None, ("labels",), multi, levels["tile"], rows))
-
-    conf = None
-    if test_set_confounders:
-        if confounders is None:
-            raise ValueError("test_set_confounders needs the in-domain confounders to compare against")
-        conf = pd.Series(np.asarray(confounders))
-        if conf.shape != (n_rows,):
-            raise ValueError(f"confounders must have shape ({n_rows},), got {conf.shape}")
-        checks.append("ood_centre")
-        ts_conf_codes = {}
-        for ts, vals in test_set_confounders.items():
-            v = np.asarray(vals)
-            if v.shape != (test_set_sizes[ts],):
-                raise ValueError(
-                    f"test set '{ts}': confounders must have one entry per row ({test_set_sizes[ts]}), "
-                    f"got shape {v.shape}"
-                )
-            ts_conf_codes[ts] = v
-        # joint coding of confounder values
-        all_conf = np.concatenate([conf.to_numpy(dtype=object)] +
-                                  [np.asarray(v, dtype=object) for v in ts_conf_codes.values()])
-        cc, cu = pd.factorize(pd.Series(all_conf))
-        conf_level = _Level("ood_centre", cc.astype(np.int64), [_id(u) for u in cu], len(cu))
-        conf_off = {}
-        o = n_rows
-        for ts, v in ts_conf_codes.items():
-            conf_off[ts] = (o, o + v.shape[0])
-            o += v.shape[0]
-
-    if confounders is not None:
-        _cv = np.asarray(confounders)
-        if _cv.shape != (n_rows,):
-            raise ValueError(f"confounders must have shape ({n_rows},), got {_cv.shape}")
-        conf_all_codes, _cu = pd.factorize(pd.Series(_cv, copy=False), sort=True)
-        conf_all_codes = conf_all_codes.astype(np.int64)
-        conf_uniques = [_id(u) for u in _cu]
-        n_conf_codes = len(conf_uniques)
-        if require_seen_id_centres:
-            checks.append("id_centre_unseen")
-    if labels is not None and require_class_coverage:
-        checks.append("missing_class")
-
-    for ts in test_set_sizes:
-        if ts not in offsets:
-            warnings.append(f"test set '{ts}': no group ids given, so its groups were not audited")
-
-    # rule 7 (warning part): a protected group spanning several centres of the in-domain rows
-    spans: dict[str, dict] = {}
-    if confounders is not None:
-        for name in groups:
-            lvl = levels[name]
-            pairs = np.unique(np.stack([lvl.codes[:n_rows], conf_all_codes], axis=1), axis=0)
-            multi = np.flatnonzero(np.bincount(pairs[:, 0], minlength=lvl.n_groups) > 1)
-            if multi.size:
-                spans[name] = {"n_groups": int(multi.size),
-                               "examples": [lvl.uniques[i] for i in multi[:MAX_EXAMPLE_IDS]]}
-                warnings.append(f"{multi.size} {name}(s) span more than one centre, e.g. "
-                                f"{spans[name]['examples']}")
-
-    # rule 7 (critical part): a protected group with rows on both sides of the ID / OOD divide,
-    # i.e. among the in-domain rows and in an unseen-confounder test set (whatever the plan does)
-    if test_set_confounders:
-        checks.append("group_spans_ood")
-        for name in groups:
-            if name in coarser:
-                continue
-            lvl = levels[name]
-            id_groups = _presence(lvl.codes[:n_rows], lvl.n_groups)
-            for ts, o in offsets.items():
-                if ts not in test_set_confounders or name not in ts_levels[ts]:
-                    continue
-                tcodes = lvl.codes[o:o + test_set_sizes[ts]]
-                hit = _presence(tcodes, lvl.n_groups) & id_groups
-                if hit.any():
-                    trows = np.flatnonzero(hit[tcodes])
-                    breaches.append(_breach("group_spans_ood", None, None, ("in-domain rows", ts), hit, lvl,
-                                            np.flatnonzero(hit[lvl.codes[:n_rows]]),
-                                            extra={"group_level": name, "test_set_rows": trows[:MAX_EXAMPLE_ROWS].tolist(),
-                                                   "n_test_set_rows": int(trows.size)}))
-
+    f = _facts(outcomes, n_rows=n_rows, groups=groups, tile_ids=tile_ids, labels=labels, confounders=confounders,
+               test_set_sizes=test_set_sizes, test_set_groups=test_set_groups,
+               test_set_confounders=test_set_confounders, require_class_coverage=require_class_coverage,
+               require_seen_id_centres=require_seen_id_centres, protected_level=protected_level)
+    active = [r for r in RULES if r.applies(f)]
+    enabled = {r.check for r in active if r.check and (r.checked is None or r.checked(f))}
+    checks = ["row", "tile", *[g for g in groups if g not in f.coarser], *[c for c in _CHECK_ORDER if c in enabled]]
+    found = _Findings()
+    for rule in active:
+        if rule.stage == "sweep":
+            rule.run(f, found)
     per_outcome = []
-    seeds_by_rep: dict[Any, set] = {}
-    test_ref: dict[Any, tuple[Any, np.ndarray]] = {}
-    checks.append("test_set_drift")
-    for oc in outcomes:
-        r, s = oc.replicate, oc.split
-        r_py, s_py = _id(r), _id(s)
-        rows = {
-            "train": _check_rows(oc.train_rows, n_rows, role="train", replicate=r_py, split=s_py),
-            "val": _check_rows(oc.val_rows, n_rows, role="val", replicate=r_py, split=s_py),
-            "in_domain": _check_rows(oc.test_rows, n_rows, role="in_domain", replicate=r_py, split=s_py),
-        }
-        seeds_by_rep.setdefault(r_py, set()).add(_id(getattr(oc, "seed", None)))
-        # rule 1: a row index in two roles -> refused at once
-        role_of = np.full(n_rows, -1, dtype=np.int64)
-        row_breaches = []
-        for k, role in enumerate(ROLES):
-            rr = np.unique(rows[role])
-            clash = rr[role_of[rr] >= 0]
-            if clash.size:
-                other = sorted({ROLES[i] for i in role_of[clash]})
-                row_breaches.append({
-                    "level": "row", "replicate": r_py, "split": s_py, "roles": [*other, role],
-                    "n_ids": int(clash.size), "ids": clash[:MAX_EXAMPLE_IDS].tolist(),
-                    "n_rows": int(clash.size), "rows": clash[:MAX_EXAMPLE_ROWS].tolist(),
-                })
-            role_of[rr[role_of[rr] < 0]] = k
-        if row_breaches:
-            raise LeakageError(_error_message(row_breaches), row_breaches)
-
-        overlaps: dict[str, int] = {}
-        for name, lvl in levels.items():
-            found = coarse_found if name in coarser else breaches
-            pres = {role: _presence(lvl.codes[rows[role]], lvl.n_groups) for role in ROLES}
-            any_hit = np.zeros(lvl.n_groups, dtype=bool)
-            for i in range(len(ROLES)):
-                for j in range(i + 1, len(ROLES)):
-                    a, b = ROLES[i], ROLES[j]
-                    hit = pres[a] & pres[b]
-                    if hit.any():
-                        both = np.concatenate([rows[a], rows[b]])
-                        both = both[hit[lvl.codes[both]]]
-                        found.append(_breach(name, r_py, s_py, (a, b), hit, lvl, both))
-                        any_hit |= hit
-            # extra test sets against every in-domain role
-            used = pres["train"] | pres["val"] | pres["in_domain"]
-            for ts, o in offsets.items():
-                if name not in ts_levels[ts]:
-                    continue
-                tcodes = lvl.codes[o:o + test_set_sizes[ts]]
-                hit = _presence(tcodes, lvl.n_groups) & used
-                if hit.any():
-                    in_rows = np.concatenate([rows[k] for k in ROLES])
-                    in_rows = np.unique(in_rows[hit[lvl.codes[in_rows]]])
-                    trows = np.flatnonzero(hit[tcodes])
-                    roles_hit = [k for k in ROLES if (pres[k] & hit).any()]
-                    found.append(_breach(name, r_py, s_py, (*roles_hit, ts), hit, lvl, in_rows,
-                                         extra={"test_set_rows": trows[:MAX_EXAMPLE_ROWS].tolist(),
-                                                "n_test_set_rows": int(trows.size)}))
-                    any_hit |= hit
-            overlaps[name] = int(any_hit.sum())
-
-        if conf is not None:
-            seen_rows = np.concatenate([rows[k] for k in ROLES])
-            seen = _presence(conf_level.codes[seen_rows], conf_level.n_groups)
-            n_hit = 0
-            for ts, (a, b) in conf_off.items():
-                tcodes = conf_level.codes[a:b]
-                hit = _presence(tcodes, conf_level.n_groups) & seen
-                if hit.any():
-                    trows = np.flatnonzero(hit[tcodes])
-                    in_rows = seen_rows[hit[conf_level.codes[seen_rows]]]
-                    roles_hit = [k for k in ROLES if hit[conf_level.codes[rows[k]]].any()]
-                    breaches.append(_breach("ood_centre", r_py, s_py, (*roles_hit, ts), hit, conf_level,
-                                            in_rows, extra={"test_set_rows": trows[:MAX_EXAMPLE_ROWS].tolist(),
-                                                            "n_test_set_rows": int(trows.size)}))
-                    n_hit += int(hit.sum())
-            overlaps["ood_centre"] = n_hit
-
-        # rule 11: in-domain test membership identical across the splits of a replicate
-        test_sorted = np.unique(rows["in_domain"])
-        if r_py not in test_ref:
-            test_ref[r_py] = (s_py, test_sorted)
-        else:
-            s0, ref = test_ref[r_py]
-            if ref.shape != test_sorted.shape or not np.array_equal(ref, test_sorted):
-                added = np.setdiff1d(test_sorted, ref)
-                removed = np.setdiff1d(ref, test_sorted)
-                changed = np.concatenate([added, removed])
-                breaches.append({
-                    "level": "test_set_drift", "replicate": r_py, "split": s_py,
-                    "roles": [f"in_domain@split {s0}", f"in_domain@split {s_py}"],
-                    "n_ids": int(changed.size), "ids": changed[:MAX_EXAMPLE_IDS].tolist(),
-                    "n_rows": int(changed.size), "rows": changed[:MAX_EXAMPLE_ROWS].tolist(),
-                    "n_added": int(added.size), "n_removed": int(removed.size),
-                })
-
-        # warnings only (never critical here): duplicated tile rows inside one role, and a role
-        # that lacks a class of the task
-        tile_lvl = levels["tile"]
-        dup_within = {}
-        for role in ROLES:
-            counts = np.bincount(tile_lvl.codes[rows[role]], minlength=tile_lvl.n_groups)
-            dup_within[role] = int((counts > 1).sum())
-            if dup_within[role]:
-                warnings.append(f"replicate {r_py}, split {s_py}: {dup_within[role]} tile key(s) "
-                                f"repeated inside {role} (allowed inside one role)")
-        missing_cls = {}
-        if labels is not None:
-            for role in ROLES:
-                absent = np.setdiff1d(task_classes, lab_codes[rows[role]])
-                if absent.size and not require_class_coverage:
-                    missing_cls[role] = [task_class_values[i] for i in absent.tolist()]
-                    warnings.append(f"replicate {r_py}, split {s_py}: {role} lacks class(es) "
-                                    f"{missing_cls[role]}")
-                elif absent.size:
-                    missing_cls[role] = [task_class_values[i] for i in absent.tolist()]
-                    # rule 9: critical -- a role without a class cannot score that class
-                    breaches.append({
-                        "level": f"missing_class:{role}", "replicate": r_py, "split": s_py,
-                        "roles": [role], "n_ids": int(absent.size),
-                        "ids": missing_cls[role][:MAX_EXAMPLE_IDS], "n_rows": 0, "rows": [],
-                    })
-        if confounders is not None and require_seen_id_centres:
-            # rule 6: a centre of the in-domain test rows never seen in training
-            cc = conf_all_codes
-            unseen = _presence(cc[rows["in_domain"]], n_conf_codes) & ~_presence(cc[rows["train"]], n_conf_codes)
-            if unseen.any():
-                trows = rows["in_domain"][unseen[cc[rows["in_domain"]]]]
-                breaches.append({
-                    "level": "id_centre_unseen", "replicate": r_py, "split": s_py,
-                    "roles": ["train", "in_domain"], "n_ids": int(unseen.sum()),
-                    "ids": [conf_uniques[i] for i in np.flatnonzero(unseen)[:MAX_EXAMPLE_IDS]],
-                    "n_rows": int(trows.size), "rows": np.unique(trows)[:MAX_EXAMPLE_ROWS].tolist(),
-                })
-        per_outcome.append({
-            "replicate": r_py, "split": s_py, "seed": _id(getattr(oc, "seed", None)),
-            "n_train": int(rows["train"].size), "n_val": int(rows["val"].size),
-            "n_in_domain": int(rows["in_domain"].size), "overlap_counts": overlaps,
-            "duplicate_tiles_within_role": dup_within, "missing_classes": missing_cls,
-        })
-
-    # rule 12: one seed per replicate, distinct across replicates
-    checks.append("replicate_seeds")
-    multi_seed = {r: sorted(map(str, s)) for r, s in seeds_by_rep.items() if len(s) > 1}
-    if multi_seed:
-        breaches.append({"level": "replicate_seeds", "replicate": None, "split": None,
-                         "roles": ["replicate"], "n_ids": len(multi_seed),
-                         "ids": [[r, s] for r, s in list(multi_seed.items())[:MAX_EXAMPLE_IDS]],
-                         "n_rows": 0, "rows": []})
-    single = [(r, next(iter(s))) for r, s in seeds_by_rep.items() if len(s) == 1]
-    seed_vals = pd.Series([s for _, s in single], dtype=object)
-    dup = seed_vals[seed_vals.duplicated(keep=False) & seed_vals.notna()]
-    if len(dup):
-        breaches.append({"level": "replicate_seeds", "replicate": None, "split": None,
-                         "roles": ["replicate"], "n_ids": int(dup.nunique()),
-                         "ids": sorted({_id(v) for v in dup})[:MAX_EXAMPLE_IDS],
-                         "n_rows": 0, "rows": []})
-
-    for name in coarser:  # rule 5: counted and shown, never hidden, never critical
-        mine = [b for b in coarse_found if b["level"] == name]
-        if mine:
-            examples = list(dict.fromkeys(i for b in mine for i in b["ids"]))[:MAX_EXAMPLE_IDS]
-            warnings.append(f"{name} overlaps across roles in {len(mine)} case(s) (coarser than the protected "
-                            f"level '{protected_level}', so a warning), e.g. {examples}; first: {_format_breach(mine[0])}")
-    critical = sorted({b["level"] for b in breaches})
+    for raw in outcomes:
+        oc = _outcome(raw, f, found)
+        for rule in active:
+            if rule.stage == "outcome":
+                rule.run(f, found, oc)
+        per_outcome.append(oc.entry)
+    for rule in active:
+        if rule.stage == "close":
+            rule.run(f, found)
     report = {
         "schema_version": AUDIT_SCHEMA_VERSION,
-        "passed": not breaches,
+        "passed": not found.breaches,
         "checks": checks,
-        "levels": list(levels),
-        "protected_levels": [g for g in groups if g not in coarser],
-        "protected_level": protected_level,
-        "coarser_overlaps": coarse_found,
-        "n_rows": n_rows,
+        "levels": list(f.levels),
+        "protected_levels": [g for g in groups if g not in f.coarser],
+        "protected_level": f.protected_level,
+        "coarser_overlaps": found.coarse_found,
+        "n_rows": f.n_rows,
         "n_outcomes": len(outcomes),
-        "replicates": sorted(seeds_by_rep, key=lambda x: (str(type(x)), x)),
+        "replicates": sorted(found.seeds_by_rep, key=lambda x: (str(type(x)), x)),
         "test_sets": {
             ts: {
-                "n_rows": int(test_set_sizes[ts]),
-                "levels_checked": ts_levels[ts],
+                "n_rows": int(f.test_set_sizes[ts]),
+                "levels_checked": f.ts_levels[ts],
                 "confounders_checked": bool(test_set_confounders and ts in test_set_confounders),
             }
-            for ts in test_set_sizes
+            for ts in f.test_set_sizes
         },
-        "critical": critical,
-        "breaches": breaches,
-        "warnings": warnings,
-        "groups_spanning_centres": spans,
+        "critical": sorted({b["level"] for b in found.breaches}),
+        "breaches": found.breaches,
+        "warnings": found.warnings,
+        "groups_spanning_centres": found.spans,
         "relaxed": [name for name, on in (("missing_class", require_class_coverage),
                                           ("id_centre_unseen", require_seen_id_centres)) if not on],
         "per_outcome": per_outcome,
     }
-    if breaches and raise_on_leakage:
-        raise LeakageError(_error_message(breaches), breaches, report)
+    if found.breaches and raise_on_leakage:
+        raise LeakageError(_error_message(found.breaches), found.breaches, report)
     return report
 
 
