@@ -26,6 +26,7 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+from digest_compare import write_and_compare
 
 HERE = Path(__file__).resolve().parents[1]
 
@@ -100,16 +101,8 @@ def main(argv=None) -> int:
             params = cp._params(np.random.default_rng([seed, 99]))
             out[f"croma-{design}/{seed}"] = _digest(_run(CRoMa.compute, x, df, confounder_column="center",
                                                        evaluation_design=design, **params))
-    Path(args.out).write_text(json.dumps(out, indent=1, sort_keys=True))
-    print(f"{len(out)} results digested ({cachescore.__file__}) -> {args.out}")
-    if args.compare:
-        before = json.loads(Path(args.compare).read_text())
-        diff = sorted(k for k in set(before) | set(out) if before.get(k) != out.get(k))
-        for k in diff:
-            print(f"DIFFERENT {k}: {before.get(k)} -> {out.get(k)}")
-        print("identical" if not diff else f"{len(diff)} results differ")
-        return 1 if diff else 0
-    return 0
+    print(f"measured {cachescore.__file__}")
+    return write_and_compare(out, args.out, args.compare, what="results") or 0
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from digest_compare import write_and_compare
 
 # Keys whose values identify a run or a code state rather than a computed value.
 # ``inputs`` holds content digests (kept); ``bundle`` is a path under the temporary store.
@@ -101,16 +102,8 @@ def main(argv=None) -> int:
         if rc != 0:
             print(f"run exited {rc}", file=sys.stderr)
         digests = digest_store(store)
-    Path(args.out).write_text(json.dumps(digests, indent=1, sort_keys=True))
-    print(f"{len(digests)} units digested -> {args.out}")
-    if args.compare:
-        before = json.loads(Path(args.compare).read_text())
-        diff = sorted(k for k in set(before) | set(digests) if before.get(k) != digests.get(k))
-        for k in diff:
-            print(f"DIFFERENT {k}: {before.get(k)} -> {digests.get(k)}")
-        print("identical" if not diff else f"{len(diff)} units differ")
-        return 1 if diff else 0
-    return rc
+    compared = write_and_compare(digests, args.out, args.compare, what="units")
+    return rc if compared is None else compared
 
 
 if __name__ == "__main__":

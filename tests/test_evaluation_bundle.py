@@ -15,7 +15,7 @@ import pytest
 
 from cachescore.probe import bundle as bundle_mod
 from cachescore.probe.bundle import BundleError, BundleExistsError, read_bundle, write_bundle
-from cachescore.probe.evaluate import evaluate_sweep
+from cachescore.probe.evaluate import SweepIdentities, SweepParams, evaluate_sweep
 
 RPS = 3
 D = 8
@@ -36,9 +36,9 @@ def evaluation():
     x = rng.normal(size=(4 * n_cell, D)) + 1.5 * np.eye(D)[lab] + 1.5 * np.eye(D)[2 + conf]
     slide = np.array([f"S{i // RPS}" for i in range(4 * n_cell)])
     tile = np.array([str(i % RPS) for i in range(4 * n_cell)])
-    return evaluate_sweep(x, conf, lab, groups={"slide": slide}, tile_ids=(slide, tile), schedule=SCHEDULE,
-                          test_sets={"ood": (rng.normal(size=(6, D)), np.array([0, 1] * 3))},
-                          rows_per_slide=RPS, iterations=2)
+    return evaluate_sweep(x, conf, lab, identities=SweepIdentities(groups={"slide": slide}, tile_ids=(slide, tile)),
+                          params=SweepParams(schedule=SCHEDULE, rows_per_slide=RPS, iterations=2),
+                          test_sets={"ood": (rng.normal(size=(6, D)), np.array([0, 1] * 3))})
 
 
 def test_round_trip_is_exact(evaluation, tmp_path):

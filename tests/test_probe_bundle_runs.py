@@ -18,6 +18,7 @@ import pytest
 from distributed import Client, LocalCluster
 
 import cachescore.probe.distributed as dist
+from cachescore.probe.evaluate import sweep_arguments
 from cachescore.probe.bundle import (
     bundle_is_current,
     find_bundle,
@@ -45,7 +46,7 @@ def kwargs(data, **kw):
                 test_set_confounders={"out_of_domain": data["ood_conf"]},
                 rows_per_slide=RPS, iterations=2, seed=1000)
     args.update(kw)
-    return args
+    return sweep_arguments(**args)
 
 
 class FitSpy:
@@ -62,8 +63,10 @@ class FitSpy:
 
 def test_results_tree_manifest_and_rerun_skip(data, tmp_path, monkeypatch):
     spy = FitSpy(monkeypatch)
-    run = lambda **kw: run_encoder_evaluation(  # noqa: E731
-        data["x"], data["conf"], data["lab"], results=tmp_path, encoder_id="enc-A", **kwargs(data, **kw))
+    def run(cache_fingerprint, run_id=None, overwrite=False, **kw):
+        return run_encoder_evaluation(data["x"], data["conf"], data["lab"], results=tmp_path, encoder_id="enc-A",
+                                      cache_fingerprint=cache_fingerprint, run_id=run_id, overwrite=overwrite,
+                                      **kwargs(data, **kw))
     path, skipped = run(cache_fingerprint="fp1", run_id="run1")
     assert not skipped and path == tmp_path / "enc-A" / "run1" and spy.calls == 6
     files = {p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()}

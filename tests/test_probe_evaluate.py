@@ -19,7 +19,15 @@ from croma.downstream import probe_sweep_over_test_sets
 
 from cachescore.probe import calibration as cal
 from cachescore.probe.audit import LeakageError
-from cachescore.probe.evaluate import METRIC_COLUMNS, evaluate_outcome, evaluate_run, evaluate_sweep
+from cachescore.probe.evaluate import (
+    METRIC_COLUMNS,
+    SweepIdentities,
+    SweepParams,
+    evaluate_outcome,
+    evaluate_run,
+    evaluate_sweep,
+    sweep_arguments,
+)
 from cachescore.probe.sweep import sweep_outcomes
 
 RPS = 3
@@ -69,7 +77,8 @@ def run_eval(data, **kw):
         rows_per_slide=RPS, iterations=2, seed=1000,
     )
     args.update(kw)
-    return evaluate_sweep(data["x"], data["conf"], data["lab"], **args)
+    client = args.pop("client", None)
+    return evaluate_sweep(data["x"], data["conf"], data["lab"], client=client, **sweep_arguments(**args))
 
 
 @pytest.fixture(scope="module")
@@ -228,8 +237,8 @@ def test_tampered_outcomes_are_caught(data):
     run = sweep_outcomes(data["x"], data["conf"], data["lab"], schedule=SCHEDULE, rows_per_slide=RPS,
                          iterations=2, keep_predictions=True)
     kw = dict(n_rows=len(data["lab"]), confounders=data["conf"], labels=data["lab"],
-              groups={"slide": data["slide"]}, tile_ids=(data["slide"], data["tile"]), schedule=SCHEDULE,
-              rows_per_slide=RPS)
+              identities=SweepIdentities(groups={"slide": data["slide"]}, tile_ids=(data["slide"], data["tile"])),
+              params=SweepParams(schedule=SCHEDULE, rows_per_slide=RPS))
     assert evaluate_run(run, **kw).audit["passed"]
     oc = run.outcomes[1]
     # move one training row's slide-mate into the test set of the same split

@@ -30,7 +30,7 @@ from sklearn.metrics import accuracy_score, balanced_accuracy_score, f1_score, l
 import cachescore.probe.distributed as dist
 from cachescore.probe import calibration as cal
 from cachescore.probe.audit import LeakageError, audit_content
-from cachescore.probe.evaluate import SCALAR_METRICS, evaluate_run, safe_class_columns
+from cachescore.probe.evaluate import SCALAR_METRICS, SweepIdentities, SweepParams, evaluate_run, safe_class_columns
 from cachescore.probe.plan import build_probe_plan
 from cachescore.probe.sweep import sweep_outcomes
 from test_probe_evaluate import RPS, SCHEDULE, leaky_arrangement, make_data, run_eval
@@ -287,8 +287,8 @@ def test_post_hoc_evaluation_without_content_audit_is_not_passed(data):
     run = sweep_outcomes(data["x"], data["conf"], data["lab"], schedule=SCHEDULE, rows_per_slide=RPS,
                          iterations=1, keep_predictions=True)
     kw = dict(n_rows=len(data["lab"]), confounders=data["conf"], labels=data["lab"],
-              groups={"slide": data["slide"]}, tile_ids=(data["slide"], data["tile"]), schedule=SCHEDULE,
-              rows_per_slide=RPS)
+              identities=SweepIdentities(groups={"slide": data["slide"]}, tile_ids=(data["slide"], data["tile"])),
+              params=SweepParams(schedule=SCHEDULE, rows_per_slide=RPS))
     ev = evaluate_run(run, **kw)
     assert ev.plan_sha256 is None and ev.content_audit is None
     assert ev.leakage["passed"] is None and "not_audited" in ev.leakage["critical"]

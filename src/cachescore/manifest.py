@@ -100,16 +100,6 @@ class PreparedManifest:
             return np.zeros(0, dtype=np.int64)
         return np.concatenate([s.rows for s in self.scopes]).astype(np.int64)
 
-    @property
-    def unit_subsets(self) -> np.ndarray:
-        """Subset ID of every unit (``"dataset"`` under ``all``), as an object array of str."""
-        out = np.empty(self.n_units, dtype=object)
-        start = 0
-        for s in self.scopes:
-            out[start : start + s.n] = s.subset
-            start += s.n
-        return out
-
 
 def coerce_manifest(manifest) -> pd.DataFrame:
     """Return ``manifest`` as a DataFrame; a path to ``.parquet`` or ``.csv`` is read.

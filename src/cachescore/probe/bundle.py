@@ -51,7 +51,7 @@ import pandas as pd
 from .._hashing import sha256_file
 from .._jsonsafe import json_safe
 from .._version import package_versions
-from .evaluate import SweepEvaluation, evaluate_sweep
+from .evaluate import SweepEvaluation, SweepIdentities, SweepParams, evaluate_sweep
 from .plan import _prepare
 
 __all__ = [
@@ -462,28 +462,28 @@ def run_encoder_evaluation(
     run_id: str | None = None,
     overwrite: bool = False,
     provenance: dict | None = None,
-    **evaluate_kwargs,
+    params: SweepParams,
+    identities: SweepIdentities,
+    test_sets=None,
+    client=None,
 ) -> tuple[Path, bool]:
     """Plan, skip if a current bundle exists, else audit + fit + evaluate + write one bundle.
 
-    ``evaluate_kwargs`` are those of :func:`cachescore.probe.evaluate.evaluate_sweep`. The plan
+    ``params``, ``identities``, ``test_sets`` and ``client`` are those of
+    :func:`cachescore.probe.evaluate.evaluate_sweep`. The plan
     (and its hash) is built first, without fitting; when :func:`find_bundle` finds a complete
     bundle with that hash and ``cache_fingerprint`` nothing else runs.
 
     Returns ``(bundle path, skipped)``.
     """
 
-    plan_keys = ("schedule", "test_sets", "rows_per_slide", "iterations", "seed",
-                 "validation_fraction", "arrange_slides")
-    defaults = {"test_sets": None, "rows_per_slide": 1, "iterations": 20, "seed": 1000,
-                "validation_fraction": None, "arrange_slides": None}
-    plan_kw = {k: evaluate_kwargs.get(k, defaults.get(k)) for k in plan_keys}
-    prepared = _prepare(embeddings, confounders, labels, **plan_kw)
+    prepared = _prepare(embeddings, confounders, labels, test_sets=test_sets, **params.plan_kwargs())
     existing = find_bundle(results, encoder_id, split_plan_sha256=prepared[0].sha256,
                            cache_fingerprint=cache_fingerprint)
     if existing is not None and not overwrite:
         return existing, True
-    evaluation = evaluate_sweep(embeddings, confounders, labels, _prepared=prepared, **evaluate_kwargs)
+    evaluation = evaluate_sweep(embeddings, confounders, labels, params=params, identities=identities,
+                                test_sets=test_sets, client=client, prepared=prepared)
     path = write_encoder_bundle(evaluation, results, encoder_id=encoder_id,
                                 cache_fingerprint=cache_fingerprint, run_id=run_id,
                                 provenance=provenance, overwrite=overwrite)

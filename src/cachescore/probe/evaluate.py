@@ -48,7 +48,7 @@ import math
 import re
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -76,10 +76,13 @@ __all__ = [
     "METRIC_COLUMNS",
     "OutcomeEvaluation",
     "SweepEvaluation",
+    "SweepIdentities",
+    "SweepParams",
     "evaluate_outcome",
     "evaluate_run",
     "evaluate_sweep",
     "safe_class_columns",
+    "sweep_arguments",
 ]
 
 #: Scalar metrics computed for every (replicate, split, role) and every centre inside it.
@@ -708,57 +711,103 @@ def _run_tasks(jobs, features, labels, row_centres, named_tests, test_centres, e
             f.release()
 
 
+@dataclass(frozen=True, kw_only=True)
+class SweepParams:
+    """What a sweep evaluation is asked to do: everything but the data (``spec/downstream.md`` §3,
+    ``spec/evaluation.md``). Frozen; ``schedule`` is required.
+
+    ``schedule``, ``rows_per_slide``, ``iterations``, ``seed``, ``validation_fraction``,
+    ``arrange_slides``: as the sweep (the matrices equal croma's). ``n_bins``: calibration bins
+    (>= 2). ``temperature_scaling``: fit T on validation rows (spec C.5). ``fail_on_leakage``:
+    raise ``LeakageError`` before any probe task when an audit fails (False: record and run).
+    ``content_audit``: ``"critical"`` or ``"warning"`` (an explicit, recorded relaxation).
+    ``class_names``: one unique name per class index (default the indices as text).
+    ``protected_level``: the level of the identities' ``groups`` the split protects (default: the
+    coarsest of patient > case > slide given; coarser overlaps are warnings, spec C.3 rule 5).
+    """
+
+    schedule: Sequence
+    rows_per_slide: int = 1
+    iterations: int = 20
+    seed: int = 1000
+    validation_fraction: float | None = None
+    arrange_slides: Callable | None = None
+    n_bins: int = 15
+    temperature_scaling: bool = False
+    fail_on_leakage: bool = True
+    content_audit: str = "critical"
+    class_names: Sequence[Any] | None = None
+    protected_level: str | None = None
+
+    def plan_kwargs(self) -> dict:
+        """The keywords that fix the split plan (and its sha256): :func:`cachescore.probe.plan._prepare`'s."""
+        return {"schedule": self.schedule, "rows_per_slide": self.rows_per_slide, "iterations": self.iterations,
+                "seed": self.seed, "validation_fraction": self.validation_fraction,
+                "arrange_slides": self.arrange_slides}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SweepIdentities:
+    """Who every row is, for the leakage audits and the per-group reports.
+
+    ``groups``: ``{level: ids (n_rows,)}`` protected group ids per embedding row (e.g. slide,
+    patient); level names are free but ``row``/``tile`` and audit check names are reserved.
+    ``tile_ids``: ids (n_rows,) or a tuple of arrays (a composite tile key, e.g. (slide, tile)).
+    ``test_set_groups``: ``{test set: {level: ids}}``, every level of ``groups`` for each test set
+    given (optionally ``"tile"``). ``test_set_confounders``: ``{test set: centres}`` in the
+    confounders' value space; a centre seen in train / val / in-domain test is a leak
+    (``ood_centre``), and the per-centre key of the reports.
+    """
+
+    groups: Mapping[str, np.ndarray]
+    tile_ids: Any
+    test_set_groups: Mapping[str, Mapping[str, np.ndarray]] | None = None
+    test_set_confounders: Mapping[str, np.ndarray] | None = None
+
+
+_PARAM_KEYS = tuple(f.name for f in fields(SweepParams))
+_IDENTITY_KEYS = tuple(f.name for f in fields(SweepIdentities))
+
+
+def sweep_arguments(**flat) -> dict:
+    """``{"params": SweepParams, "identities": SweepIdentities, "test_sets": ...}`` from the flat
+    keywords of both objects plus ``test_sets`` (a convenience for callers holding a flat mapping,
+    e.g. a job's ``[probe]`` table). Raises ``TypeError`` naming unknown keywords."""
+    unknown = sorted(set(flat) - set(_PARAM_KEYS) - set(_IDENTITY_KEYS) - {"test_sets"})
+    if unknown:
+        raise TypeError(f"unknown sweep argument(s) {unknown}; known: {sorted(_PARAM_KEYS + _IDENTITY_KEYS)} "
+                        "and test_sets")
+    return {"params": SweepParams(**{k: flat[k] for k in _PARAM_KEYS if k in flat}),
+            "identities": SweepIdentities(**{k: flat[k] for k in _IDENTITY_KEYS if k in flat}),
+            "test_sets": flat.get("test_sets")}
+
+
 def evaluate_sweep(
     embeddings,
     confounders,
     labels,
     *,
-    groups: Mapping[str, np.ndarray],
-    tile_ids,
-    schedule: Sequence,
+    params: SweepParams,
+    identities: SweepIdentities,
     test_sets: Mapping[str, tuple[Any, Any]] | None = None,
-    test_set_groups: Mapping[str, Mapping[str, np.ndarray]] | None = None,
-    test_set_confounders: Mapping[str, np.ndarray] | None = None,
-    rows_per_slide: int = 1,
-    iterations: int = 20,
-    seed: int = 1000,
-    validation_fraction: float | None = None,
-    arrange_slides: Callable | None = None,
     client=None,
-    n_bins: int = 15,
-    temperature_scaling: bool = False,
-    fail_on_leakage: bool = True,
-    content_audit: str = "critical",
-    class_names: Sequence[Any] | None = None,
-    protected_level: str | None = None,
-    _prepared=None,
+    prepared=None,
 ) -> SweepEvaluation:
     """Build and audit the split plan, then fit and evaluate every probe.
 
     Parameters
     ----------
-    embeddings, confounders, labels, schedule, test_sets, rows_per_slide, iterations, seed,
-    validation_fraction, arrange_slides
-        As the sweep (``spec/downstream.md`` §3); the matrices equal croma's.
-    groups : ``{level: ids (n_rows,)}``, protected group ids per embedding row (e.g. slide,
-        patient); level names are free but ``row``/``tile`` and audit check names are reserved.
-    tile_ids : ids (n_rows,) or a tuple of arrays (composite tile key, e.g. (slide, tile)).
-    test_set_groups : ``{test set: {level: ids}}``; every level of ``groups`` for each test set
-        given here (optionally ``"tile"``).
-    test_set_confounders : ``{test set: centres}`` in the ``confounders`` value space; a centre
-        seen in train / val / in-domain test is a leak (``ood_centre``); also the per-centre key.
+    embeddings, confounders, labels
+        The in-domain rows (``spec/downstream.md`` §3): ``(n_rows, d)`` floats, ``(n_rows,)``
+        confounder and class indices.
+    params : SweepParams
+        The sweep's parameters (schedule, replicates, calibration, audit severities).
+    identities : SweepIdentities
+        Group and tile ids of every row (and of the test sets) for the audits.
+    test_sets : ``{name: (embeddings, labels)}``, extra test sets scored by every probe.
     client : distributed.Client, optional
         One task per (replicate, split) that fits AND evaluates on the worker.
-    n_bins : calibration bins (>= 2).
-    temperature_scaling : fit T on validation rows (default False, spec C.5).
-    fail_on_leakage : raise LeakageError before any probe task when an audit fails (default).
-        When False the failing audits are recorded (``passed`` False) and the sweep runs.
-    content_audit : ``"critical"`` (default) or ``"warning"`` (explicit, recorded relaxation).
-    class_names : one unique name per class index (default the indices as strings).
-    protected_level : the level of ``groups`` the split protects (default: the coarsest of
-        patient > case > slide given); overlaps at coarser identity levels are warnings
-        (spec C.3 rule 5, :func:`cachescore.probe.audit.audit_sweep`).
-    _prepared : internal; the ``(plan, features, labels, test sets)`` tuple of
+    prepared : the ``(plan, features, labels, test sets)`` tuple of
         :func:`cachescore.probe.plan._prepare` when the caller already built the plan (used by
         :func:`cachescore.probe.bundle.run_encoder_evaluation` to hash before deciding to run).
 
@@ -775,17 +824,17 @@ def evaluate_sweep(
         Invalid inputs (sweep catalogue, identities, n_bins, class names).
     """
 
-    n_bins = cal._check_n_bins(n_bins)
-    if _prepared is None:
-        _prepared = _prepare(
-            embeddings, confounders, labels, schedule=schedule, test_sets=test_sets,
-            rows_per_slide=rows_per_slide, iterations=iterations, seed=seed,
-            validation_fraction=validation_fraction, arrange_slides=arrange_slides,
-        )
-    plan, features, lab, named_tests = _prepared
+    p, ids = params, identities
+    schedule, rows_per_slide, validation_fraction = p.schedule, p.rows_per_slide, p.validation_fraction
+    groups, tile_ids = ids.groups, ids.tile_ids
+    test_set_groups, test_set_confounders = ids.test_set_groups, ids.test_set_confounders
+    n_bins = cal._check_n_bins(p.n_bins)
+    if prepared is None:
+        prepared = _prepare(embeddings, confounders, labels, test_sets=test_sets, **p.plan_kwargs())
+    plan, features, lab, named_tests = prepared
     conf = np.asarray(confounders)
     n_classes = _n_classes(lab, named_tests)
-    names = tuple(str(k) for k in range(n_classes)) if class_names is None else tuple(map(str, class_names))
+    names = tuple(str(k) for k in range(n_classes)) if p.class_names is None else tuple(map(str, p.class_names))
     if len(names) != n_classes:
         raise ValueError(f"{len(names)} class names given for {n_classes} classes")
     prob_cols = safe_class_columns(names)
@@ -794,17 +843,17 @@ def evaluate_sweep(
     plan_audit = audit_sweep(
         plan.jobs, n_rows=plan.n_rows, groups=groups, tile_ids=tile_ids, labels=lab,
         confounders=conf, test_set_sizes=plan.test_set_sizes, test_set_groups=test_set_groups,
-        test_set_confounders=test_set_confounders, raise_on_leakage=False, protected_level=protected_level,
+        test_set_confounders=test_set_confounders, raise_on_leakage=False, protected_level=p.protected_level,
     )
     content = audit_content(features, plan.jobs, test_sets={k: v[0] for k, v in named_tests.items()},
-                            severity=content_audit)
+                            severity=p.content_audit)
     leak = combine_leakage(plan_audit, content)
-    if fail_on_leakage and leak["passed"] is not True:
+    if p.fail_on_leakage and leak["passed"] is not True:
         breaches = plan_audit["breaches"] + content["breaches"]
         raise LeakageError(_error_message(breaches), breaches, leak)
 
     row_centres, test_centres, centre_names = _centre_codes(conf, test_set_confounders, plan.test_set_sizes)
-    eval_kw = {"n_classes": n_classes, "n_bins": n_bins, "temperature_scaling": bool(temperature_scaling)}
+    eval_kw = {"n_classes": n_classes, "n_bins": n_bins, "temperature_scaling": bool(p.temperature_scaling)}
     results = _run_tasks(plan.jobs, features, lab, row_centres, named_tests, test_centres, eval_kw, client)
 
 
@@ -828,12 +877,12 @@ def evaluate_sweep(
         params={
             "schedule": _jsonable_schedule(schedule), "rows_per_slide": int(rows_per_slide),
             "n_bins": int(n_bins), "test_sets": list(named_tests), "group_levels": list(groups),
-            "protected_level": plan_audit["protected_level"], "iterations": int(iterations), "seed": int(seed),
+            "protected_level": plan_audit["protected_level"], "iterations": int(p.iterations), "seed": int(p.seed),
             "validation_fraction": None if validation_fraction is None else float(validation_fraction),
-            "arrange_slides": None if arrange_slides is None else getattr(
-                arrange_slides, "__qualname__", type(arrange_slides).__name__),
-            "temperature_scaling": bool(temperature_scaling), "fail_on_leakage": bool(fail_on_leakage),
-            "content_audit": content_audit,
+            "arrange_slides": None if p.arrange_slides is None else getattr(
+                p.arrange_slides, "__qualname__", type(p.arrange_slides).__name__),
+            "temperature_scaling": bool(p.temperature_scaling), "fail_on_leakage": bool(p.fail_on_leakage),
+            "content_audit": p.content_audit,
         },
     )
 
@@ -905,30 +954,28 @@ def evaluate_run(
     n_rows: int,
     confounders,
     labels,
-    groups: Mapping[str, np.ndarray],
-    tile_ids,
-    schedule: Sequence,
+    params: SweepParams,
+    identities: SweepIdentities,
     test_sets: Mapping[str, tuple[Any, Any]] | None = None,
-    test_set_groups=None,
-    test_set_confounders=None,
-    rows_per_slide: int = 1,
-    n_bins: int = 15,
-    temperature_scaling: bool = False,
     embeddings=None,
-    content_audit: str = "critical",
-    class_names=None,
     parameters: Mapping[str, Any] | None = None,
-    protected_level: str | None = None,
 ) -> SweepEvaluation:
     """Audit and evaluate an already-computed ``SweepRun`` (kept predictions required).
 
     For outcomes built or altered by hand (the probes were fitted BEFORE this audit, so prefer
     :func:`evaluate_sweep`). Any critical finding raises LeakageError. ``plan_sha256`` is None;
     the content audit runs only when ``embeddings`` is given (otherwise the leakage record says
-    ``not_audited``). ``protected_level`` as :func:`evaluate_sweep`.
+    ``not_audited``). ``params`` and ``identities`` as :func:`evaluate_sweep` (of ``params`` the
+    plan keys ``iterations``, ``seed``, ``validation_fraction``, ``arrange_slides`` and
+    ``fail_on_leakage`` do not apply: the run exists, and any finding raises); ``parameters`` are
+    extra entries recorded in the evaluation's ``params``.
     """
 
-    n_bins = cal._check_n_bins(n_bins)
+    p, ids = params, identities
+    schedule, rows_per_slide, temperature_scaling = p.schedule, p.rows_per_slide, p.temperature_scaling
+    groups, tile_ids = ids.groups, ids.tile_ids
+    test_set_groups, test_set_confounders = ids.test_set_groups, ids.test_set_confounders
+    n_bins = cal._check_n_bins(p.n_bins)
     labels = np.asarray(labels)
     conf = np.asarray(confounders)
     test_sets = dict(test_sets or {})
@@ -937,16 +984,16 @@ def evaluate_run(
     audit = audit_sweep(
         outcomes, n_rows=n_rows, groups=groups, tile_ids=tile_ids, labels=labels, confounders=conf,
         test_set_sizes=sizes, test_set_groups=test_set_groups,
-        test_set_confounders=test_set_confounders, raise_on_leakage=True, protected_level=protected_level,
+        test_set_confounders=test_set_confounders, raise_on_leakage=True, protected_level=p.protected_level,
     )
     content = None
     if embeddings is not None:
         content = audit_content(embeddings, outcomes, test_sets={k: v[0] for k, v in test_sets.items()},
-                                severity=content_audit)
+                                severity=p.content_audit)
         if not content["passed"]:
             raise LeakageError(_error_message(content["breaches"]), content["breaches"], content)
     n_classes = _n_classes(labels, test_sets)
-    names = tuple(str(k) for k in range(n_classes)) if class_names is None else tuple(map(str, class_names))
+    names = tuple(str(k) for k in range(n_classes)) if p.class_names is None else tuple(map(str, p.class_names))
     if len(names) != n_classes:
         raise ValueError(f"{len(names)} class names given for {n_classes} classes")
     prob_cols = safe_class_columns(names)

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from .evaluate import sweep_arguments
 from .params import ProbeParams, ProbeParamsError
 
 __all__ = ["ProbeInputs", "ProbeSelection", "prepare_probe_inputs", "select_probe_rows"]
@@ -130,13 +131,15 @@ class ProbeInputs:
                 "validation_fraction": params.validation_fraction}
 
     def evaluate_kwargs(self, params: ProbeParams) -> dict:
-        """Keyword arguments of :func:`cachescore.probe.evaluate.evaluate_sweep` (no ``client``)."""
+        """Keyword arguments of :func:`cachescore.probe.evaluate.evaluate_sweep` (no ``client``):
+        ``params`` (a :class:`~cachescore.probe.evaluate.SweepParams`), ``identities`` and
+        ``test_sets``."""
         s = self.selection
         n_classes = 1 + max([int(s.labels.max())] + [int(y.max()) for _, y in self.test_sets.values()])
-        return {**self.sweep_kwargs(params), "groups": s.groups, "tile_ids": s.tile_ids,
-                "test_set_groups": s.test_groups or None, "test_set_confounders": s.test_confounders or None,
-                "temperature_scaling": params.temperature, "n_bins": params.n_bins,
-                "class_names": list(s.class_names[:n_classes]), "protected_level": params.protected_level}
+        return sweep_arguments(**self.sweep_kwargs(params), groups=s.groups, tile_ids=s.tile_ids,
+                               test_set_groups=s.test_groups or None, test_set_confounders=s.test_confounders or None,
+                               temperature_scaling=params.temperature, n_bins=params.n_bins,
+                               class_names=list(s.class_names[:n_classes]), protected_level=params.protected_level)
 
 
 def select_probe_rows(view_frame: pd.DataFrame, params: ProbeParams, *, source: str = "view") -> ProbeSelection:

@@ -7,7 +7,6 @@ is stored as canonical JSON text. Missing keys are null (never a made-up default
 
 from __future__ import annotations
 
-import json
 from datetime import datetime, timezone
 
 import pandas as pd
@@ -27,7 +26,6 @@ __all__ = [
     "rows_to_frame",
     "failure_to_row",
     "utc_now",
-    "loads_params",
 ]
 
 #: Version of the unit/failure record envelope written by this code; records of any other version
@@ -165,9 +163,3 @@ def rows_to_frame(rows: list[dict], schema: pa.Schema) -> pd.DataFrame:
     as ``float64`` (null -> NaN), ints as nullable ``Int64``, timestamps as ``datetime64[us, UTC]``."""
     table = pa.Table.from_pylist(rows, schema=schema)
     return table.to_pandas(types_mapper=_mapper)
-
-
-def loads_params(text: str | None):
-    """Inverse of the ``params`` column encoding (JSON text -> Python object)."""
-    return None if text is None else json.loads(text)
-
