@@ -56,11 +56,17 @@ def test_job_errors_exit_2(tmp_path, capsys):
 
 
 @pytest.mark.slow  # ~30 s: the whole shipped demo (28 units incl. 4 probe sweeps) on a LocalCluster
-def test_demo_job_ranks_encoders_as_constructed(tmp_path, capsys):
+def test_demo_job_ranks_encoders_as_constructed(tmp_path, capsys, monkeypatch):
+    import cachescore.pipeline.execute as execute_mod
+
     (tmp_path / "jobs").mkdir()
     job_path = tmp_path / "jobs" / "demo.toml"
     shutil.copy(REPO / "jobs" / "demo.toml", job_path)
+    plans = []
+    real_plan = execute_mod.plan_job
+    monkeypatch.setattr(execute_mod, "plan_job", lambda job, **kw: plans.append(job.name) or real_plan(job, **kw))
     assert main(["run", str(job_path)]) == 0
+    assert plans == ["demo"]  # `run` plans the job once: the run's plan also serves the leaderboard
     cap = capsys.readouterr()
     assert re.search(r"dashboard: http://127\.0\.0\.1:\d+/status", cap.err)
     assert "executed 28" in cap.out and "failed 0" in cap.out  # 4 encoders x (2 views x 3 families + 1 probe)

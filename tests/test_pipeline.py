@@ -643,3 +643,31 @@ def test_a_metric_refusal_is_a_data_error_with_the_unit_label(tmp_path):
     assert len(summary.failures) == 1
     err = summary.failures[0]["error"]
     assert err.startswith("UnscorableError: enc0/one_group/all/ri: ") and "cross-group neighbor" in err
+
+
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
+def test_probe_tasks_use_the_planned_input_fingerprints(tmp_path, monkeypatch):
+    """A probe task does not hash the view or read meta.json again: it uses the fingerprints the
+    plan computed (after planning, hashing inputs fails here, and the run still succeeds with the
+    planned fingerprints)."""
+    root = _probe_cache(tmp_path / "cache")
+    job = parse_job({"schema_version": 1,
+                     "job": {"cache": str(root), "store": str(tmp_path / "store"), "views": ["v"], "encoders": ["encA"]},
+                     "metrics": {"families": ["ri"]}, "probe": PROBE,
+                     "execution": {"n_workers": 1, "retries": 0, "dashboard": False, "performance_report": False}},
+                    path=tmp_path / "job.toml")
+    plan = plan_job(job)
+
+    def no_rehash(*args, **kwargs):
+        raise AssertionError("an input was fingerprinted again after planning")
+
+    monkeypatch.setattr(Cache, "view_fingerprint", no_rehash)
+    monkeypatch.setattr(Cache, "embedding_fingerprint", no_rehash)
+    with open_client(None, n_workers=1, dashboard=False, processes=False) as client, stand_ins():
+        ok, fails = execute_plan(plan, client, retries=0, out=None)
+    assert not fails and ok == 2
+    probe_unit = next(u for u in plan.pending if u.metric == "probe")
+    stored = ResultsStore(job.store).scores()
+    assert (stored["design"] == "probe").sum() == 4
+    assert all(json.loads(e).get("unit_fingerprint") == probe_unit.fingerprint
+               for e in stored[stored["design"] == "probe"]["extra"])
