@@ -99,6 +99,20 @@ def test_demo_job_ranks_encoders_as_constructed(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert out.strip().endswith("40 done")  # probe units are listed per record
     assert sum(line.startswith("enc2 ") and " probe " in line and " done " in line for line in out.splitlines()) == 4
+    assert main(["status", str(job_path), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["counts"] == {"done": 40} and len(doc["units"]) == 40
+    metric_units = [u for u in doc["units"] if u["design"] != "probe"]
+    assert all(u["ci_low"] <= u["value"] <= u["ci_high"] and u["defined"] and u["rank"] for u in metric_units)
+    published = pd.read_parquet(job.store / "scores.parquet")
+    for fmt in ("parquet", "csv", "json"):
+        out = tmp_path / "export" / f"scores.{fmt}"
+        assert main(["export", str(job_path), "--format", fmt, "-o", str(out)]) == 0
+        assert f"wrote {out}" in capsys.readouterr().out and out.with_name(f"scores.probe.{fmt}").is_file()
+    exported = pd.read_parquet(tmp_path / "export" / "scores.parquet")
+    pd.testing.assert_frame_equal(exported, published)
+    assert len(pd.read_csv(tmp_path / "export" / "scores.csv")) == 40
+    assert len(json.loads((tmp_path / "export" / "scores.json").read_text())) == 40
     assert main(["report", str(job_path)]) == 0
     html_text = (job.store / "report.html").read_text(encoding="utf-8")
     assert "APD · view centre_all · design probe · matrix centre_C" in html_text

@@ -44,7 +44,7 @@ LAYERS = [
     {"neighbors"},
     {"metrics"},
     {"probe", "downstream"},
-    {"jobs"},
+    {"jobs", "results"},
     {"pipeline"},
     {"report"},
     {"cli", "<root>"},

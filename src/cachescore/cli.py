@@ -15,6 +15,8 @@ Commands are thin: parse, call the library, format, return an exit code.
   there is new work (:func:`cachescore.pipeline.watch.watch_job`); exit 1 if a unit failed.
 * ``cachescore report JOB [--out HTML]`` – the static HTML report of the job's store
   (:func:`cachescore.report.build_report`).
+* ``cachescore compare JOB A B [--view V] [--metric M] [--json]`` – B − A with a paired CI and a verdict.
+* ``cachescore export JOB [--format parquet|csv|json] [-o PATH]`` – the tidy score and probe tables.
 * ``cachescore import …`` – build a cache from ``.npy`` files (:func:`cachescore.cache.import_cache`).
 * ``cachescore demo [DIR]`` – write the self-contained demo job into DIR and run it.
 * ``cachescore schema`` – list every job-file key with its default and meaning.
@@ -25,15 +27,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections import Counter
 from pathlib import Path
+
+import pandas as pd
 
 from .cache import Cache, import_cache, verify_cache
 from .jobs import describe_schema, load_job
-from .pipeline import UnitKind, run_job, unit_status
-from .pipeline.probe_unit import probe_record_fingerprint, probe_record_keys
+from ._jsonsafe import json_safe
+from .pipeline import plan_job, run_job, unit_status
+from .pipeline.execute import build_results
+from .store import ResultsStore
 from .pipeline.watch import watch_job
 from .report import build_report
-from .store import ResultsStore
+from .results import compare_encoders, export_tables, read_scores
 from .store.atomic import atomic_write_bytes
 
 __all__ = ["main", "build_parser", "format_table", "DEMO_JOB"]
@@ -120,37 +127,52 @@ def format_table(rows: list[dict], columns: list[str]) -> str:
     return "\n".join(out)
 
 
-def _leaderboard(store, fingerprints: set[str]) -> str:
-    scores = store.scores()
+def _metric_label(r: dict) -> str:
+    m = r.get("m")
+    if r.get("design") == "probe":
+        return f"{r['metric']}[{r.get('scope')}]"
+    return r["metric"] + (f"(m={int(m)})" if r["metric"] == "croma" and m is not None and m == m else "")
+
+
+def _flags(r: dict) -> str:
+    """What a reader must know before using a score: undefined (why), low support, warnings."""
+    if not r.get("defined", True):
+        return f"UNDEFINED: {r.get('undefined_reason')}"
+    out = []
+    if r.get("low_support"):
+        out.append(f"low support ({r.get('support'):.3f})")
+    warn = str(r.get("warnings") or "").strip()
+    if warn:
+        out.append("warning: " + warn.splitlines()[0][:90] + (" (+more)" if "\n" in warn else ""))
+    return "; ".join(out)
+
+
+def _interval(lo, hi) -> str:
+    return "" if lo is None or hi is None or lo != lo or hi != hi else f"[{lo:.4f}, {hi:.4f}]"
+
+
+def _rank_text(r: dict) -> str:
+    rank, lo, hi = r.get("rank"), r.get("rank_low"), r.get("rank_high")
+    if rank is None or rank != rank:
+        return "-"
+    if lo is None or lo != lo:
+        return str(int(rank))
+    return f"{int(rank)} ({int(lo)}-{int(hi)})" if lo != hi else str(int(rank))
+
+
+def _leaderboard(scores) -> str:
+    """The run's scores (``<store>/scores.parquet`` rows): per view × metric, ranked, with the CI,
+    the rank interval and the flags; undefined scores are listed last and never ranked."""
     if scores is None or len(scores) == 0:
         return ""
-    scores = scores[scores["fingerprint"].isin(fingerprints)]
-    if len(scores) == 0:
-        return ""
-    scores = scores.sort_values(["view", "metric", "scope", "m", "value"], ascending=[True, True, True, True, False],
-                                na_position="last")
     rows = []
     for r in scores.to_dict("records"):
-        metric = r["metric"] + (f"(m={int(r['m'])})" if r["metric"] == "croma" and r.get("m") == r.get("m")
-                                and r.get("m") is not None else "")
-        if r.get("design") == "probe":
-            metric = f"{r['metric']}[{r.get('scope')}]"
-        rows.append({"view": r["view"], "design": r["design"], "metric": metric, "encoder": r["encoder"],
-                     "value": r.get("value"), "k": r.get("k"), "support": r.get("support"),
-                     "tau": r.get("tau"), "f0": r.get("f0"), "ltm_alpha": r.get("ltm_alpha")})
-    return format_table(rows, ["view", "design", "metric", "encoder", "value", "k", "support", "tau", "f0",
-                               "ltm_alpha"])
-
-
-def _record_fingerprints(plan) -> set[str]:
-    """Store keys of every record of the plan's units (a probe unit has one per matrix × reduction)."""
-    out = set()
-    for u in plan.units:
-        if u.kind is UnitKind.PROBE:
-            out.update(probe_record_fingerprint(u.fingerprint, m, r) for m, r in probe_record_keys(u.params))
-        else:
-            out.add(u.fingerprint)
-    return out
+        r = {k: (None if v is pd.NA else v) for k, v in r.items()}
+        rows.append({"view": r["view"], "design": r["design"], "metric": _metric_label(r), "rank": _rank_text(r),
+                     "encoder": r["encoder"], "value": r.get("value"),
+                     f"{int(round(100 * (r.get('ci_level') or 0.95)))}% CI": _interval(r.get("ci_low"), r.get("ci_high")),
+                     "support": r.get("support"), "k": r.get("k"), "flags": _flags(r)})
+    return format_table(rows, list(rows[0]))
 
 
 def _cmd_run(args) -> int:
@@ -162,7 +184,7 @@ def _cmd_run(args) -> int:
           f"in {summary.seconds:.1f}s")
     if summary.report_path:
         print(f"performance report: {summary.report_path}")
-    board = _leaderboard(ResultsStore(job.store), _record_fingerprints(summary.plan))
+    board = _leaderboard(read_scores(job.store)) if summary.tables else ""
     if board and not args.quiet:
         print(board)
     if summary.failures:
@@ -177,21 +199,52 @@ def _short(text, width: int = 48) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
+def _with_scores(rows: list[dict], job) -> list[dict]:
+    """Status rows with the CI, rank and flags of ``<store>/scores.parquet`` (when it exists)."""
+    try:
+        table = read_scores(job.store)
+    except FileNotFoundError:
+        return rows
+    by_fp = {r["fingerprint"]: {k: (None if v is pd.NA else v) for k, v in r.items()}
+             for r in table.to_dict("records")}
+    out = []
+    for r in rows:
+        s = by_fp.get(r.get("fingerprint"))
+        extra = {} if s is None else {k: s.get(k) for k in ("ci_low", "ci_high", "ci_level", "defined",
+                                                           "undefined_reason", "low_support", "rank", "rank_low",
+                                                           "rank_high", "support", "warnings")}
+        if s is not None:
+            extra["flags"] = _flags(s)
+        out.append(dict(r, **extra))
+    return out
+
+
+def _json_rows(rows: list[dict]) -> str:
+    return json.dumps(json_safe(rows), indent=1, sort_keys=True, default=str)
+
+
 def _cmd_status(args) -> int:
     job = load_job(args.job)
     if not Path(job.cache).is_dir():
         print(f"cache not found: {job.cache} (run: cachescore run {args.job})", file=sys.stderr)
         return 2
-    rows = unit_status(job)
-    shown = [dict(r, params=_short(r["params"]), scope=r.get("scope") or "") for r in rows]
-    print(format_table(shown, ["encoder", "view", "design", "metric", "scope", "params", "state", "value", "detail"]))
-    counts: dict[str, int] = {}
-    for r in rows:
-        counts[r["state"]] = counts.get(r["state"], 0) + 1
+    rows = _with_scores(unit_status(job), job)
+    problems = verify_cache(Cache(job.cache)) if args.verify else []
+    if args.json:
+        doc = {"job": str(job.path), "store": str(job.store), "units": rows,
+               "counts": dict(sorted(Counter(r["state"] for r in rows).items()))}
+        if args.verify:
+            doc["cache_problems"] = [p.to_dict() for p in problems]
+        print(_json_rows(doc))
+        return 1 if problems else 0
+    shown = [dict(r, params=_short(r["params"]), scope=r.get("scope") or "", ci=_interval(r.get("ci_low"), r.get("ci_high")),
+                  flags=_short(r.get("flags") or "", 60)) for r in rows]
+    print(format_table(shown, ["encoder", "view", "design", "metric", "scope", "params", "state", "value", "ci", "flags",
+                               "detail"]))
+    counts = Counter(r["state"] for r in rows)
     print(", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
     if not args.verify:
         return 0
-    problems = verify_cache(Cache(job.cache))
     if not problems:
         print(f"cache {job.cache}: healthy (verify found no problem)")
         return 0
@@ -200,6 +253,34 @@ def _cmd_status(args) -> int:
                          "message": _short(p.message, 160)} for p in problems],
                        ["kind", "encoder", "tileset", "view", "message"]))
     return 1
+
+
+def _cmd_compare(args) -> int:
+    job = load_job(args.job)
+    store = ResultsStore(job.store)
+    plan = plan_job(job, store=store)
+    rows = compare_encoders(store, Cache(job.cache), plan.record_fingerprints(), args.encoder_a, args.encoder_b,
+                            view=args.view, metric=args.metric, bootstrap=job.metrics.get("bootstrap"))
+    if args.json:
+        print(_json_rows(rows))
+        return 0
+    shown = [dict(r, metric=_metric_label(r), ci=_interval(r["ci_low"], r["ci_high"]),
+                  win=r["win_fraction"]) for r in rows]
+    print(format_table(shown, ["view", "design", "metric", "value_a", "value_b", "delta", "ci", "win", "verdict"]))
+    print(f"delta = {args.encoder_b} - {args.encoder_a}; ci: paired cluster bootstrap over group_id "
+          f"({job.metrics['bootstrap']['n_boot']} replicates, level {job.metrics['bootstrap']['level']}); "
+          f"win: share of replicates where {args.encoder_b} scores higher")
+    return 0
+
+
+def _cmd_export(args) -> int:
+    job = load_job(args.job)
+    store = ResultsStore(job.store)
+    scores, probe = build_results(plan_job(job, store=store), store)
+    out = Path(args.output) if args.output else Path(job.store) / "export" / f"scores.{args.format}"
+    for path in export_tables(scores, probe, out, fmt=args.format):
+        print(f"wrote {path}")
+    return 0
 
 
 def _cmd_watch(args) -> int:
@@ -283,7 +364,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("job")
     s.add_argument("--verify", action="store_true",
                    help="also run the cache health check (checksums, alignment, NaN rows, views); exit 1 on problems")
+    s.add_argument("--json", action="store_true", help="machine-readable status (units with CI, rank and flags)")
     s.set_defaults(func=_cmd_status)
+
+    cp = sub.add_parser("compare", help="difference B - A per view x metric with a paired bootstrap CI and a verdict")
+    cp.add_argument("job")
+    cp.add_argument("encoder_a")
+    cp.add_argument("encoder_b")
+    cp.add_argument("--view", default=None, help="only this view")
+    cp.add_argument("--metric", default=None, help="only this metric (ri, mari, croma, apd, nipd)")
+    cp.add_argument("--json", action="store_true", help="machine-readable rows")
+    cp.set_defaults(func=_cmd_compare)
+
+    ex = sub.add_parser("export", help="write the tidy score and probe tables (with CIs, flags, ranks)")
+    ex.add_argument("job")
+    ex.add_argument("--format", default="parquet", choices=["parquet", "csv", "json"])
+    ex.add_argument("-o", "--output", default=None,
+                    help="scores file to write (default <store>/export/scores.<format>); the probe table goes "
+                         "beside it as <stem>.probe.<format>")
+    ex.set_defaults(func=_cmd_export)
 
     w = sub.add_parser("watch", help="poll the cache and re-score whenever there is new work "
                                      "(new encoder, changed shard or view, changed params)")

@@ -49,6 +49,12 @@ class RobustnessResult:
     ltm_alpha: float = float("nan")
     #: Temperature MaRI scored with (pinned or resolved); NaN for RI.
     tau: float = float("nan")
+    #: Per-unit evidence, in unit order: the SO / OS neighbour counts (RI) or weight sums (MaRI)
+    #: of each unit's window (0 where undefined), so that the pooled value is
+    #: ``sum(so) / (sum(so) + sum(os))`` (spec §5.3, §6.2). cachescore only (croma's result has no
+    #: such field): what the cluster bootstrap of the pooled ratio resamples (ADR-0009).
+    occurrence_so: np.ndarray | None = None
+    occurrence_os: np.ndarray | None = None
 
 
 @dataclass(frozen=True)

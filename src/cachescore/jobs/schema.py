@@ -192,6 +192,17 @@ SCHEMA: dict[str, dict[str, Key]] = {
                        _positive_int),
         "k_growth_factor": Key(_NUM, 2.0, "croma's window growth factor (recorded, as start_k).", _growth),
     },
+    "metrics.bootstrap": {
+        "n_boot": Key((int,), 2000, "Cluster-bootstrap replicates of every stored score's CI and rank interval "
+                                    "(resampling unit: group_id; computed from the stored per-unit values).",
+                      _positive_int),
+        "level": Key(_NUM, 0.95, "Confidence level of the percentile intervals.", _alpha),
+        "seed": Key((int,), 0, "Seed of the bootstrap draws (PCG64; one shared draw per view).", _non_negative_int),
+    },
+    "report": {
+        "min_support": Key(_NUM, 0.5, "RI/MaRI scores whose support (share of units with a typed neighbour) is "
+                                      "below this are ranked but flagged low_support.", _alpha_closed),
+    },
     "neighbors": {
         "backend": Key((str,), "auto", "Neighbour search: 'exact', 'ann' or 'auto' (exact below auto_threshold).",
                        _one_of(BACKENDS)),
@@ -236,6 +247,8 @@ class Job:
     metrics: dict = field(default_factory=dict)
     neighbors: dict = field(default_factory=dict)
     execution: dict = field(default_factory=dict)
+    #: ``[report]``: how stored scores are flagged (``min_support``).
+    report: dict = field(default_factory=dict)
     #: The normalised document (all keys, defaults filled), as recorded in provenance.
     document: dict = field(default_factory=dict)
     #: Probe-sweep parameters (:class:`cachescore.probe.params.ProbeParams`) from the
@@ -350,6 +363,7 @@ def parse_job(doc: dict, *, path: str | Path | None = None) -> Job:
         "ri": dict(full["metrics.ri"]),
         "mari": dict(full["metrics.mari"]),
         "croma": dict(full["metrics.croma"]),
+        "bootstrap": dict(full["metrics.bootstrap"]),
     }
     document = {"schema_version": SCHEMA_VERSION, **full}
     probe = None
@@ -372,6 +386,7 @@ def parse_job(doc: dict, *, path: str | Path | None = None) -> Job:
         metrics=metrics,
         neighbors=dict(full["neighbors"]),
         execution=dict(full["execution"]),
+        report=dict(full["report"]),
         document=document,
         probe=probe,
         bundles=resolve(jobs["bundles"]) if jobs["bundles"] else store / "bundles",

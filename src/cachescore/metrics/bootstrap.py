@@ -20,6 +20,12 @@ from ..types import BootstrapCI, RankStability
 
 __all__ = [
     "percentile_ci",
+    "cluster_counts",
+    "pooled_ratio_replicates",
+    "balanced_median_replicates",
+    "rank_summary",
+    "bootstrap_pooled_ratio",
+    "bootstrap_balanced_median",
     "bootstrap_pooled_median",
     "paired_cluster_bootstrap_delta",
     "paired_rank_stability",
@@ -28,6 +34,9 @@ __all__ = [
 
 #: Upper bound on replicate × value entries held at once by the vectorised medians.
 _CHUNK_ENTRIES = 1 << 22
+
+#: Smallest normal float64: a resampled pooled ratio with less evidence than this is undefined.
+_TINY = float(np.finfo(np.float64).tiny)
 
 
 def percentile_ci(boot, point: float, level: float, n_boot: int) -> BootstrapCI:
@@ -87,14 +96,20 @@ def _weighted_medians(values: np.ndarray, member: np.ndarray, counts: np.ndarray
         return out
     order = np.argsort(values, kind="stable")
     v, mem = values[order], member[order]
+    # int32 multiplicities halve the memory traffic of the (replicates × values) passes; a
+    # replicate's total is at most n_clusters × the largest cluster, far below 2^31 here
+    small = counts.size == 0 or int(counts.max()) * v.size < 2**31
+    counts = counts.astype(np.int32 if small else np.int64, copy=False)
     step = max(1, _CHUNK_ENTRIES // v.size)
     for s in range(0, n_rep, step):
-        cum = np.cumsum(counts[s : s + step][:, mem], axis=1)
-        total = cum[:, -1]
+        cum = np.cumsum(counts[s : s + step][:, mem], axis=1, dtype=counts.dtype)
+        total = cum[:, -1].astype(np.int64)
         lo = (total - 1) // 2
         hi = total // 2
-        i_lo = np.minimum((cum <= lo[:, None]).sum(axis=1), v.size - 1)
-        i_hi = np.minimum((cum <= hi[:, None]).sum(axis=1), v.size - 1)
+        # every row of ``cum`` is non-decreasing: one binary search per row and order statistic
+        i_lo = np.array([np.searchsorted(row, x, side="right") for row, x in zip(cum, lo)], dtype=np.int64)
+        i_hi = np.array([np.searchsorted(row, x, side="right") for row, x in zip(cum, hi)], dtype=np.int64)
+        i_lo, i_hi = np.minimum(i_lo, v.size - 1), np.minimum(i_hi, v.size - 1)
         med = np.where(i_lo == i_hi, v[i_lo], (v[i_lo] + v[i_hi]) / 2)
         med[total == 0] = np.nan
         out[s : s + step] = med
@@ -284,3 +299,128 @@ def bootstrap_spearman(x, y, *, n_boot: int = 2000, level: float = 0.95, seed: i
         r = cov / np.sqrt(np.einsum("ij,ij->i", rx, rx)) / np.sqrt(np.einsum("ij,ij->i", ry, ry))
         boot[ok] = np.clip(r, -1.0, 1.0)
     return percentile_ci(boot, point, level, int(n_boot))
+
+
+# --------------------------------------------------------------------------- pooled statistics
+# The functions below serve the stored scores (cachescore.results, ADR-0009): one shared draw per
+# view (the picks depend only on the seed and the number of clusters), replicate values of every
+# encoder from it, then CIs and rank intervals. Same draw rule and percentile CI as above.
+
+
+def cluster_counts(cluster_ids, *, n_boot: int = 2000, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """``(member, counts)``: every row's cluster number (clusters = distinct IDs, stable-sorted) and
+    ``counts[b, c]``, how often replicate ``b`` drew cluster ``c`` (``(n_boot, K)`` int64; the
+    croma draw rule: ``rng.integers(0, K, K)`` per replicate from ``default_rng(seed)``)."""
+    member, k = _cluster_index(np.asarray(cluster_ids))
+    if k == 0:
+        return member, np.zeros((int(n_boot), 0), dtype=np.int64)
+    return member, _multiplicities(_draw(np.random.default_rng(seed), n_boot, k), k)
+
+
+def pooled_ratio_replicates(so, os, member, counts) -> np.ndarray:
+    """Replicate values of the pooled ratio ``sum(so) / (sum(so) + sum(os))`` (RI: neighbour counts,
+    MaRI: weight sums; spec §5.3 / §6.2): per-cluster sums times the cluster multiplicities, no loop
+    over rows. A replicate with less evidence than the smallest normal float is NaN (undefined).
+    ``so``, ``os``, ``member``: (n,); ``counts``: (B, K). Returns (B,) float64."""
+    so = np.asarray(so, dtype=np.float64)
+    os_ = np.asarray(os, dtype=np.float64)
+    k = counts.shape[1]
+    s_g = np.bincount(member, weights=so, minlength=k)
+    o_g = np.bincount(member, weights=os_, minlength=k)
+    cf = counts.astype(np.float64)
+    s, o = cf @ s_g, cf @ o_g
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(s + o >= _TINY, s / (s + o), np.nan)
+
+
+def balanced_median_replicates(values, member, counts, subset_ids=None) -> np.ndarray:
+    """Replicate values of the (balanced) median of the finite ``values``: the median of the
+    drawn rows, or with ``subset_ids`` the median over the subsets present of each subset's median
+    (CRoMa's paired value; the rule of :func:`paired_cluster_bootstrap_delta`). (B,) float64."""
+    values = np.asarray(values, dtype=np.float64)
+    finite = np.isfinite(values)
+    if subset_ids is None:
+        return _weighted_medians(values[finite], member[finite], counts)
+    subsets = np.asarray(subset_ids)
+    per_subset = [
+        _weighted_medians(values[sel & finite], member[sel & finite], counts)
+        for sel in (subsets == s for s in np.unique(subsets))
+    ]
+    return _median_of_present(np.stack(per_subset, axis=1))
+
+
+def bootstrap_pooled_ratio(so, os, cluster_ids, *, point: float | None = None, n_boot: int = 2000,
+                           level: float = 0.95, seed: int = 0) -> BootstrapCI:
+    """Cluster-bootstrap CI of a pooled ratio (RI / MaRI) from its per-unit evidence.
+
+    ``point`` defaults to ``sum(so) / (sum(so) + sum(os))`` (NaN without evidence); pass the stored
+    score to keep the metric's own point (its log path, its 0.5 fallback). Raises ``ValueError``
+    for mismatched lengths or non-finite / negative evidence."""
+    so = np.asarray(so, dtype=np.float64)
+    os_ = np.asarray(os, dtype=np.float64)
+    ids = np.asarray(cluster_ids)
+    if not (so.shape == os_.shape == ids.shape) or so.ndim != 1:
+        raise ValueError(f"so, os and cluster_ids must be 1-D of one length (got {so.shape}, {os_.shape}, {ids.shape})")
+    if not (np.isfinite(so).all() and np.isfinite(os_).all()) or (so < 0).any() or (os_ < 0).any():
+        raise ValueError("per-unit evidence (so, os) must be finite and non-negative")
+    if point is None:
+        total = float(so.sum() + os_.sum())
+        point = float(so.sum() / total) if total >= _TINY else float("nan")
+    member, counts = cluster_counts(ids, n_boot=n_boot, seed=seed)
+    if counts.shape[1] == 0:
+        return BootstrapCI(float(point), float("nan"), float("nan"), level, 0)
+    return percentile_ci(pooled_ratio_replicates(so, os_, member, counts), float(point), level, int(n_boot))
+
+
+def bootstrap_balanced_median(values, cluster_ids, subset_ids=None, *, n_boot: int = 2000, level: float = 0.95,
+                              seed: int = 0) -> BootstrapCI:
+    """Cluster-bootstrap CI of the (balanced) median of the finite ``values``: without subsets it is
+    :func:`bootstrap_pooled_median` (croma's); with ``subset_ids`` the point and every replicate are
+    the median of the per-subset medians (CRoMa under ``paired_2x2``). Raises ``ValueError`` for
+    mismatched lengths."""
+    values = np.asarray(values, dtype=np.float64)
+    ids = np.asarray(cluster_ids)
+    if values.shape != ids.shape or (subset_ids is not None and np.shape(subset_ids) != values.shape):
+        raise ValueError("values, cluster_ids (and subset_ids) must be 1-D of one length")
+    if subset_ids is None:
+        return bootstrap_pooled_median(values, ids, n_boot=n_boot, level=level, seed=seed)
+    member, counts = cluster_counts(ids, n_boot=n_boot, seed=seed)
+    ones = np.ones((1, counts.shape[1]), dtype=np.int64)
+    point = float(balanced_median_replicates(values, member, ones, subset_ids)[0]) if counts.shape[1] else float("nan")
+    if counts.shape[1] == 0:
+        return BootstrapCI(point, float("nan"), float("nan"), level, 0)
+    return percentile_ci(balanced_median_replicates(values, member, counts, subset_ids), point, level, int(n_boot))
+
+
+def rank_summary(models, point_values, replicates, *, level: float = 0.95) -> dict:
+    """Ranks of ``models`` from their point values and shared-draw replicates (the conventions of
+    :func:`paired_rank_stability`: rank 1 = highest; the point ranking by a stable sort, ties in
+    ``models`` order; replicate ranks treat NaN as -inf; ``rank_lo``/``rank_hi`` truncated
+    percentiles; ``pairwise_win[(a, b)]`` the fraction of replicates with both finite and a's
+    strictly greater). ``replicates``: (B, M) aligned with ``models``; with B = 0 only the point
+    ranks are given (the other entries are None / NaN)."""
+    models = list(models)
+    reps = np.asarray(replicates, dtype=np.float64).reshape(-1, len(models))
+    ranked = sorted(models, key=lambda name: point_values[name], reverse=True)
+    point_rank = {name: i + 1 for i, name in enumerate(ranked)}
+    if reps.shape[0] == 0:
+        return {"point_rank": point_rank, "mean_rank": {n: float("nan") for n in models},
+                "rank_lo": {n: None for n in models}, "rank_hi": {n: None for n in models},
+                "pairwise_win": {(a, b): float("nan") for a in models for b in models if a != b}}
+    finite = np.isfinite(reps)
+    key = np.where(finite, reps, -np.inf)
+    order = np.argsort(-key, axis=1, kind="stable")
+    ranks = np.empty_like(order)
+    np.put_along_axis(ranks, order, np.arange(1, len(models) + 1)[None, :], axis=1)
+    beats = finite[:, :, None] & finite[:, None, :] & (reps[:, :, None] > reps[:, None, :])
+    n_rep = max(1, reps.shape[0])
+    win = beats.sum(axis=0) / float(n_rep)
+    q_lo = (1.0 - level) / 2.0 * 100.0
+    return {
+        "point_rank": point_rank,
+        "mean_rank": {name: float(ranks[:, j].mean()) for j, name in enumerate(models)},
+        "rank_lo": {name: int(np.percentile(ranks[:, j], q_lo)) for j, name in enumerate(models)},
+        "rank_hi": {name: int(np.percentile(ranks[:, j], 100.0 - q_lo)) for j, name in enumerate(models)},
+        "pairwise_win": {(a, b): float(win[i, j]) for i, a in enumerate(models) for j, b in enumerate(models)
+                         if a != b},
+    }

@@ -219,6 +219,8 @@ class _Evaluation:
             q_alpha=tail.q_alpha,
             ltm_alpha=tail.ltm_alpha,
             tau=float("nan") if tau is None else float(tau),
+            occurrence_so=np.concatenate([p.so for p in parts]).astype(np.float64),
+            occurrence_os=np.concatenate([p.os for p in parts]).astype(np.float64),
         )
 
     def warn_support(self, result: RobustnessResult) -> None:

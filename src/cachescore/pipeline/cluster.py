@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import Iterator
 
+import dask
 from distributed import Client, LocalCluster
 from distributed.diagnostics.plugin import WorkerPlugin
 
@@ -96,6 +97,23 @@ def open_client(scheduler: str | None = None, *, n_workers: int = 2, memory_limi
         kwargs["env"] = dict(THREAD_ENV)
     else:  # in-process workers talk over inproc://, no network address
         kwargs.pop("host")
-    with LocalCluster(**kwargs) as cluster, Client(cluster, set_as_default=False) as client:
+    with _scheduler_config_restored(), LocalCluster(**kwargs) as cluster, \
+            Client(cluster, set_as_default=False) as client:
         client.register_plugin(SingleThreadBLAS())
         yield client
+
+
+@contextlib.contextmanager
+def _scheduler_config_restored() -> Iterator[None]:
+    """Restore dask's global ``scheduler`` setting on exit. In-process workers share this process's
+    dask config, and a task that calls ``worker_client()`` (probe units) sets it to the
+    distributed scheduler, which would outlive the cluster and break later plain dask calls."""
+    had = "scheduler" in dask.config.config
+    old = dask.config.config.get("scheduler")
+    try:
+        yield
+    finally:
+        if had:
+            dask.config.config["scheduler"] = old
+        else:
+            dask.config.config.pop("scheduler", None)

@@ -30,14 +30,16 @@ from typing import TextIO
 from distributed import performance_report
 
 from .._version import package_versions
+from ..cache import Cache
 from ..cache.synthetic import make_demo_cache
 from ..neighbors.large_scope import remove_scratch
+from ..results import probe_table, publish_tables, score_table
 from ..store import ResultsStore
 from .cluster import open_client
 from .plan import Plan, UnitKind, code_version, plan_job
 from .unit import drive_large_unit, run_probe_task, run_unit
 
-__all__ = ["RunSummary", "execute_plan", "run_job", "ensure_demo_cache", "new_run_id",
+__all__ = ["RunSummary", "execute_plan", "run_job", "build_results", "publish_results", "ensure_demo_cache", "new_run_id",
            "ProgressBar"]
 
 
@@ -57,6 +59,8 @@ class RunSummary:
     dashboard: str | None = None
     seconds: float = 0.0
     plan: Plan | None = None
+    #: Paths of the tidy tables written after the run (``scores``, ``probe``); empty if not written.
+    tables: dict = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -262,6 +266,7 @@ def run_job(job, *, scheduler: str | None = None, out: TextIO | None = sys.stder
             "executed_fingerprints": sorted(u.fingerprint for u in plan.pending),
             "failures": failures,
             "performance_report": summary.report_path,
+            "tables": summary.tables,
             "dashboard": summary.dashboard,
             "seconds": time.perf_counter() - t0,
         })
@@ -291,6 +296,31 @@ def run_job(job, *, scheduler: str | None = None, out: TextIO | None = sys.stder
         summary.succeeded = ok
         failures += fails
     summary.failures = failures
+    summary.tables = publish_results(plan, store, out=out)
     summary.seconds = time.perf_counter() - t0
     provenance("finished")
     return summary
+
+
+def build_results(plan: Plan, store) -> tuple:
+    """``(scores, probe)``: the tidy tables of the plan's current records (:mod:`cachescore.results`
+    with the job's ``[metrics] bootstrap`` and ``[report] min_support``). Records the store lacks
+    are left out; nothing is written."""
+    job = plan.job
+    fps = plan.record_fingerprints()
+    scores = score_table(store, Cache(job.cache), fps, bootstrap=job.metrics.get("bootstrap"),
+                         min_support=float(job.report.get("min_support", 0.5)))
+    return scores, probe_table(store, fps)
+
+
+def publish_results(plan: Plan, store, *, out: TextIO | None = None) -> dict:
+    """Rebuild ``<store>/scores.parquet`` and ``<store>/probe.parquet`` from the plan's current
+    records (scores with CIs, flags, ranks; :mod:`cachescore.results`) and write them atomically.
+    Returns ``{"scores": path, "probe": path}``, or ``{}`` when a table could not be built (the
+    reason is printed; the stored records are untouched and the next run tries again)."""
+    try:
+        scores, probe = build_results(plan, store)
+        return {k: str(v) for k, v in publish_tables(store.path, scores, probe).items()}
+    except (ValueError, OSError, KeyError) as exc:  # KeyError: CorruptRecordError (a record to recompute)
+        _say(out, f"results tables not written: {type(exc).__name__}: {exc}")
+        return {}

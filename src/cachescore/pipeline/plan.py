@@ -14,8 +14,9 @@ Its fingerprint is the sha256 of canonical JSON over
   numbers (``CACHESCORE_CODE_VERSION`` pins it).
 
 A unit whose fingerprint the store already holds is *done* and is not executed. A unit that cannot
-even be planned (missing embeddings for the view's tileset, an unreadable view) is *invalid*: it
-is recorded as a failure with its error, the rest of the job goes on.
+even be planned (missing embeddings for the view's tileset, an unreadable view, a view scope with a
+single confounder value or a single label, :func:`undefined_scope`) is *invalid*: it is recorded
+as a failure with its error, the rest of the job goes on.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ from ..fingerprint import code_version, fingerprint
 from ..jobs.schema import Job
 from ..neighbors.registry import engine_params, is_out_of_core
 from ..store import ResultsStore
-from .probe_unit import probe_unit_done, probe_unit_fingerprint
+from .probe_unit import probe_record_fingerprint, probe_record_keys, probe_unit_done, probe_unit_fingerprint
 
-__all__ = ["UnitKind", "WorkUnit", "InvalidUnit", "Plan", "plan_job", "code_version", "unit_fingerprint"]
+__all__ = ["undefined_scope", "UnitKind", "WorkUnit", "InvalidUnit", "Plan", "plan_job", "code_version", "unit_fingerprint"]
 
 def _fingerprint(obj) -> str:
     return fingerprint(obj)
@@ -135,6 +136,17 @@ class Plan:
     def units(self) -> tuple[WorkUnit, ...]:
         return self.pending + self.done
 
+    def record_fingerprints(self) -> list[str]:
+        """Store keys of every record of the plan's units, in unit order (a probe unit has one per
+        matrix × reduction, :func:`~.probe_unit.probe_record_keys`)."""
+        out: list[str] = []
+        for u in self.units:
+            if u.kind is UnitKind.PROBE:
+                out.extend(probe_record_fingerprint(u.fingerprint, m, r) for m, r in probe_record_keys(u.params))
+            else:
+                out.append(u.fingerprint)
+        return out
+
 
 def unit_fingerprint(*, encoder, view, design, metric, confounder_column, params, inputs, code) -> str:
     """The work-unit fingerprint (sha256 hex of canonical JSON, see module docstring)."""
@@ -175,6 +187,31 @@ def _scope_rows(frame, design: str) -> int:
     if design == "paired_2x2" and "subset" in frame.columns and len(frame):
         return int(frame["subset"].astype(str).str.strip().value_counts().max())
     return int(len(frame))
+
+
+def undefined_scope(frame, confounder: str, design: str, view: str) -> str | None:
+    """Why RI / MaRI / CRoMa cannot give a defined score on this view, or None.
+
+    A scope (the whole view under ``all``, each subset under ``paired_2x2``) with a single value of
+    the confounder column has no OS neighbour (croma stores RI = 0.0 and fails CRoMa); one with a
+    single label has no SO neighbour (RI = 1.0). The message names the view, the scope, the column
+    and the value. Columns the view lacks are left to the metric's own validation.
+    """
+    if confounder not in frame.columns or "label" not in frame.columns or not len(frame):
+        return None
+    if design == "paired_2x2" and "subset" in frame.columns:
+        scopes = frame.groupby(frame["subset"].astype(str).str.strip(), sort=True)
+    else:
+        scopes = [("dataset", frame)]
+    for name, part in scopes:
+        where = f"view {view!r}" + ("" if name == "dataset" else f", scope {name!r}")
+        for column, lacks in ((confounder, "OS"), ("label", "SO")):
+            values = part[column].astype(str).str.strip().unique()
+            if len(values) < 2:
+                return (f"{where}: column {column!r} has a single value ({values[0]!r}), so no unit has an {lacks} "
+                        f"neighbour and RI, MaRI and CRoMa are not defined here (croma would return a fallback); "
+                        f"give every scope at least two {column!r} values or leave the view out of the job")
+    return None
 
 
 def _design_for(job: Job, hint) -> str:
@@ -245,15 +282,16 @@ def plan_job(job: Job, *, cache=None, store=None) -> Plan:
             design = _design_for(job, getattr(spec, "design", None))
             scope_rows = _scope_rows(frame, design)
             tileset, confounder = spec.tileset, spec.confounder_column
+            scope_err = undefined_scope(frame, confounder, design, view)
         except (ValueError, OSError, KeyError) as exc:
             view_err = f"{type(exc).__name__}: {exc}"
             inputs[f"views/{view}"] = f"error: {view_err}"
             design = job.design if job.design != "auto" else "?"
-            tileset, confounder, view_fp, scope_rows = "?", "?", None, 0
+            tileset, confounder, view_fp, scope_rows, scope_err = "?", "?", None, 0, None
         for enc in encoders:
             emb_fp, dim, emb_err = embedding(enc, tileset) if view_err is None else (None, None, None)
             for metric, mparams in families:
-                err = view_err or emb_err
+                err = view_err or emb_err or scope_err
                 if err is not None:
                     ident = {"encoder": enc, "view": view, "tileset": tileset, "design": design,
                              "family": metric, "metric": metric, "params": mparams}

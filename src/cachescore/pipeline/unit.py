@@ -71,7 +71,9 @@ def result_record(unit, result, *, recall: float = float("nan")) -> tuple[dict, 
     CRoMa: ``k_final``), ``tau`` (MaRI), ``m`` (CRoMa), ``recall`` (ANN), ``backend``,
     ``n_units``, ``n_pairs``, ``fingerprint``. Missing quantities are NaN, never 0.
     Per-unit columns: ``unit`` (0..U-1, unit order), ``source_index`` (view row), ``subset``,
-    ``value`` (aligned; NaN when undefined) and, for RI/MaRI, ``defined`` and ``undefined_type``.
+    ``value`` (aligned; NaN when undefined) and, for RI/MaRI, ``defined``, ``undefined_type`` and
+    the per-unit evidence ``so`` / ``os`` (counts for RI, weight sums for MaRI; the pooled value is
+    ``sum(so) / (sum(so) + sum(os))``), which the results' cluster bootstrap resamples.
     """
     is_croma = unit.metric == "croma"
     values = np.asarray(result.sample_values_aligned, dtype=float)
@@ -112,6 +114,9 @@ def result_record(unit, result, *, recall: float = float("nan")) -> tuple[dict, 
     if not is_croma:
         per_unit["defined"] = np.asarray(result.occurrence_defined_mask, dtype=bool)
         per_unit["undefined_type"] = np.asarray(result.sample_undefined_types).astype(str)
+        if result.occurrence_so is not None:  # the pooled ratio's evidence, for its bootstrap CI
+            per_unit["so"] = np.asarray(result.occurrence_so, dtype=np.float64)
+            per_unit["os"] = np.asarray(result.occurrence_os, dtype=np.float64)
     return record, per_unit
 
 

@@ -1,0 +1,293 @@
+"""The tidy score and probe tables: every stored score with its bootstrap CI, flags and rank.
+
+One row of :func:`score_table` per stored record (encoder × view × design × scope × metric × m).
+Uncertainty comes from the stored per-unit values, never from a new neighbour search (ADR-0009):
+
+* **RI / MaRI** (pooled ratios ``sum(so) / (sum(so) + sum(os))``): a cluster bootstrap over
+  ``group_id`` of the pooled ratio itself, recomputed from the drawn groups' evidence sums; under
+  ``paired_2x2`` the ratio is the micro-average over subsets, so the same rule applies to every
+  occurrence of the drawn groups;
+* **CRoMa** (median of margins): croma's ``bootstrap_pooled_median`` under ``all``; under
+  ``paired_2x2`` the balanced median (median of per-subset medians) of the drawn groups, the rule
+  of croma's paired helpers;
+* **APD**: the percentile interval of the per-replicate drops ``mean_s(acc[s, r] / acc[0, r]) - 1``
+  over the probe replicates (not a cluster bootstrap: the replicates are the sweep's own
+  repetitions); **nIPD**: not available yet (NaN, ``ci_method`` says so).
+
+Draws: PCG64 ``default_rng(seed)``, ``integers(0, K, K)`` per replicate, taken once per (view,
+design) on the caller (the draw depends only on the seed and the view's groups), so every
+encoder of a view is resampled identically: the rank interval of an encoder is read off the same
+replicates (``paired_rank_stability`` semantics for CRoMa).
+
+Flags: ``defined`` is false when the stored value is a fallback (RI/MaRI: support 0, or a scope
+with a single confounder value or a single label; any non-finite value); ``undefined_reason``
+says which. ``low_support``: RI/MaRI support below ``min_support``. Undefined rows are never
+ranked (``rank`` null); low-support rows are ranked and flagged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import numpy as np
+import pandas as pd
+
+from ..metrics.bootstrap import (
+    balanced_median_replicates,
+    cluster_counts,
+    percentile_ci,
+    pooled_ratio_replicates,
+    rank_summary,
+)
+
+__all__ = ["SCORE_COLUMNS", "PROBE_COLUMNS", "BOOTSTRAP_DEFAULTS", "score_entries", "score_table", "probe_table"]
+
+#: Columns of the tidy score table, in order (``<store>/scores.parquet``; README "Reading results").
+SCORE_COLUMNS = (
+    "encoder", "view", "design", "scope", "metric", "m", "value", "ci_low", "ci_high", "ci_level", "n_boot",
+    "ci_method", "support", "defined", "undefined_reason", "low_support", "rank", "rank_low", "rank_high",
+    "mean_rank", "n_ranked", "recall", "n_units", "n_defined", "k", "tau", "f0", "q_alpha", "ltm_alpha", "backend",
+    "warnings", "fingerprint", "code_version", "finished_at",
+)
+#: Columns of the tidy probe table (``<store>/probe.parquet``): one row per probe accuracy.
+PROBE_COLUMNS = ("encoder", "view", "test_set", "split", "replicate", "replicate_seed", "accuracy",
+                 "unit_fingerprint", "split_plan_sha256")
+
+#: ``[metrics] bootstrap`` defaults (spec §8.2).
+BOOTSTRAP_DEFAULTS = {"n_boot": 2000, "level": 0.95, "seed": 0}
+
+_INT_COLUMNS = ("m", "n_boot", "rank", "rank_low", "rank_high", "n_ranked", "n_units", "n_defined", "k")
+_FLOAT_COLUMNS = ("value", "ci_low", "ci_high", "ci_level", "support", "mean_rank", "recall", "tau", "f0",
+                  "q_alpha", "ltm_alpha")
+
+
+def _num(x) -> float:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return float("nan")
+    return v
+
+
+class _Views:
+    """Per-call memo of view frames, specs and shared bootstrap draws (one per view × design)."""
+
+    def __init__(self, cache, bootstrap: dict):
+        self.cache, self.bootstrap = cache, bootstrap
+        self._frames: dict = {}
+        self._draws: dict = {}
+
+    def frame(self, view: str) -> tuple[pd.DataFrame, str]:
+        if view not in self._frames:
+            self._frames[view] = (self.cache.read_view(view), self.cache.view_spec(view).confounder_column)
+        return self._frames[view]
+
+    def draw(self, view: str, design: str, groups: np.ndarray):
+        """``(member, counts)`` shared by every unit of ``view`` × ``design`` with these groups."""
+        key = (view, design)
+        got = self._draws.get(key)
+        if got is None or not np.array_equal(got[0], groups):
+            member, counts = cluster_counts(groups, n_boot=self.bootstrap["n_boot"], seed=self.bootstrap["seed"])
+            got = (groups, member, counts)
+            self._draws[key] = got
+        return got[1], got[2]
+
+
+def _fallback_reason(metric: str, record: dict, per_unit: pd.DataFrame, frame: pd.DataFrame, confounder: str) -> str:
+    """Why a stored RI/MaRI value is a fallback, or ``""`` (spec §5.3: 0.5 without support; a scope
+    with one confounder value has no OS neighbour, one label no SO neighbour)."""
+    if metric in ("ri", "mari"):
+        if int(record.get("n_defined") or 0) == 0:
+            return "support 0: no unit has an SO or OS neighbour, the value is the 0.5 fallback"
+        rows = per_unit["source_index"].to_numpy(dtype=np.int64)
+        subsets = per_unit["subset"].astype(str).to_numpy()
+        conf = frame[confounder].astype(str).to_numpy()[rows] if confounder in frame.columns else None
+        lab = frame["label"].astype(str).to_numpy()[rows] if "label" in frame.columns else None
+        for s in np.unique(subsets):
+            sel = subsets == s
+            where = "the view" if s == "dataset" else f"scope {s!r}"
+            if conf is not None and np.unique(conf[sel]).size < 2:
+                return f"{where} has a single {confounder!r} value: RI/MaRI are not defined (no OS neighbour)"
+            if lab is not None and np.unique(lab[sel]).size < 2:
+                return f"{where} has a single label: RI/MaRI are not defined (no SO neighbour)"
+    if not math.isfinite(_num(record.get("value"))):
+        return "the value is not finite"
+    return ""
+
+
+def _metric_entry(fp: str, record: dict, store, views: _Views, bootstrap: dict, min_support: float) -> dict:
+    metric, view, design = record.get("metric"), record.get("view"), record.get("design")
+    per_unit = store.per_unit(fp)
+    frame, confounder = views.frame(view)
+    rows = per_unit["source_index"].to_numpy(dtype=np.int64)
+    groups = frame["group_id"].astype(str).to_numpy()[rows]
+    member, counts = views.draw(view, design, groups)
+    subsets = per_unit["subset"].astype(str).to_numpy() if design == "paired_2x2" else None
+    reps, method = None, ""
+    if metric in ("ri", "mari"):
+        if {"so", "os"} <= set(per_unit.columns):
+            reps = pooled_ratio_replicates(per_unit["so"].to_numpy(), per_unit["os"].to_numpy(), member, counts)
+            method = "cluster bootstrap (group_id) of the pooled ratio"
+        else:
+            method = "not available: the record predates per-unit evidence (rescore to get a CI)"
+    elif metric == "croma":
+        reps = balanced_median_replicates(per_unit["value"].to_numpy(), member, counts, subsets)
+        method = ("cluster bootstrap (group_id) of the median of per-subset medians" if subsets is not None
+                  else "cluster bootstrap (group_id) of the pooled median")
+    reason = _fallback_reason(metric, record, per_unit, frame, confounder)
+    support = _num(record.get("support"))
+    return _entry(record, fp, reps, method, bootstrap, reason=reason,
+                  low_support=metric in ("ri", "mari") and math.isfinite(support) and support < min_support)
+
+
+def _probe_entry(fp: str, record: dict, bootstrap: dict) -> dict:
+    reps, method = None, ""
+    matrix = record.get("matrix")
+    acc = np.asarray(matrix, dtype=np.float64) if matrix is not None else None
+    if record.get("metric") == "apd" and acc is not None and acc.ndim == 2 and acc.shape[0] >= 2 and (acc[0] > 0).all():
+        reps = (acc[1:] / acc[0]).mean(axis=0) - 1  # the per-replicate drops APD averages
+        method = "percentile over probe replicates"
+    else:
+        method = "not available for this reduction yet"
+    reason = "" if math.isfinite(_num(record.get("value"))) else "the value is not finite"
+    return _entry(record, fp, reps, method, bootstrap, reason=reason, low_support=False)
+
+
+def _entry(record: dict, fp: str, reps, method: str, bootstrap: dict, *, reason: str, low_support: bool) -> dict:
+    value = _num(record.get("value"))
+    if reps is not None and not reason:
+        ci = percentile_ci(reps, value, float(bootstrap["level"]), len(reps))
+        lo, hi, n_boot = ci.lo, ci.hi, ci.n_boot
+    else:
+        lo = hi = float("nan")
+        n_boot = 0
+    m = record.get("m")
+    return {
+        "encoder": record.get("encoder"), "view": record.get("view"), "design": record.get("design"),
+        "scope": record.get("scope") if record.get("design") == "probe" else None,
+        "metric": record.get("metric"), "m": None if m is None or (isinstance(m, float) and math.isnan(m)) else int(m),
+        "value": value, "ci_low": lo, "ci_high": hi, "ci_level": float(bootstrap["level"]), "n_boot": n_boot,
+        "ci_method": method, "support": _num(record.get("support")), "defined": not reason,
+        "undefined_reason": reason, "low_support": bool(low_support and not reason),
+        "recall": _num(record.get("recall")), "n_units": record.get("n_units"), "n_defined": record.get("n_defined"),
+        "k": record.get("k"), "tau": _num(record.get("tau")), "f0": _num(record.get("f0")),
+        "q_alpha": _num(record.get("q_alpha")), "ltm_alpha": _num(record.get("ltm_alpha")),
+        "backend": record.get("backend"), "warnings": record.get("warnings") or "", "fingerprint": fp,
+        "code_version": record.get("code_version"), "finished_at": record.get("finished_at"),
+        "_reps": reps if (reps is not None and not reason) else None,
+    }
+
+
+def _rank(entries: list[dict], level: float) -> None:
+    """Ranks within each (view, design, scope, metric, m) among the defined rows (in place)."""
+    by_group: dict = {}
+    for e in entries:
+        by_group.setdefault((e["view"], e["design"], e["scope"], e["metric"], e["m"]), []).append(e)
+    for group in by_group.values():
+        ranked = sorted((e for e in group if e["defined"]), key=lambda e: e["encoder"])
+        for e in group:
+            e.update(rank=None, rank_low=None, rank_high=None, mean_rank=float("nan"), n_ranked=len(ranked))
+        if not ranked:
+            continue
+        names = [e["encoder"] for e in ranked]
+        points = {e["encoder"]: e["value"] for e in ranked}
+        lengths = {None if e["_reps"] is None else len(e["_reps"]) for e in ranked}
+        if len(lengths) == 1 and None not in lengths and lengths != {0}:
+            summary = rank_summary(names, points, np.stack([e["_reps"] for e in ranked], axis=1), level=level)
+        else:  # no shared replicates: the point ranking only
+            summary = rank_summary(names, points, np.empty((0, len(names))), level=level)
+        for e in ranked:
+            n = e["encoder"]
+            e.update(rank=summary["point_rank"][n], rank_low=summary["rank_lo"][n], rank_high=summary["rank_hi"][n],
+                     mean_rank=summary["mean_rank"][n])
+
+
+def _frame(rows: list[dict], columns) -> pd.DataFrame:
+    df = pd.DataFrame([{c: r.get(c) for c in columns} for r in rows], columns=list(columns))
+    for c in columns:
+        if c in _INT_COLUMNS:
+            df[c] = pd.array([None if v is None or (isinstance(v, float) and math.isnan(v)) else int(v)
+                              for v in df[c]], dtype="Int64")
+        elif c in _FLOAT_COLUMNS or c == "accuracy":
+            df[c] = pd.to_numeric(df[c], errors="coerce").astype("float64")
+        elif c in ("defined", "low_support"):
+            df[c] = df[c].astype(bool)
+        elif c == "finished_at":
+            df[c] = pd.to_datetime(df[c], utc=True, errors="coerce")
+    return df
+
+
+def score_entries(store, cache, fingerprints: Iterable[str], *, bootstrap: dict | None = None,
+                  min_support: float = 0.5) -> list[dict]:
+    """One dict per stored record of ``fingerprints``: the :data:`SCORE_COLUMNS` fields (unranked)
+    plus ``_reps``, the score's replicate values (shared draw per view × design; None without an
+    interval). What :func:`score_table` and :func:`~.compare.compare_encoders` build on."""
+    bootstrap = dict(BOOTSTRAP_DEFAULTS, **(bootstrap or {}))
+    views = _Views(cache, bootstrap)
+    entries = []
+    for fp in dict.fromkeys(fingerprints):
+        record = store.record(fp)
+        if record is None:
+            continue
+        if record.get("design") == "probe":
+            entries.append(_probe_entry(fp, record, bootstrap))
+        else:
+            entries.append(_metric_entry(fp, record, store, views, bootstrap, float(min_support)))
+    return entries
+
+
+def score_table(store, cache, fingerprints: Iterable[str], *, bootstrap: dict | None = None,
+                min_support: float = 0.5) -> pd.DataFrame:
+    """The tidy score table of the stored records ``fingerprints`` (absent ones are skipped).
+
+    ``store``: a ``ResultsStore``; ``cache``: the job's ``Cache`` (views give ``group_id``, labels
+    and confounders of the units); ``bootstrap``: ``{"n_boot", "level", "seed"}`` (defaults
+    :data:`BOOTSTRAP_DEFAULTS`). Columns :data:`SCORE_COLUMNS`; sorted by view, design, scope,
+    metric, m, rank (unranked last), encoder. Raises what reading the store or the views raises
+    (``CorruptRecordError``, cache errors).
+    """
+    bootstrap = dict(BOOTSTRAP_DEFAULTS, **(bootstrap or {}))
+    entries = score_entries(store, cache, fingerprints, bootstrap=bootstrap, min_support=min_support)
+    _rank(entries, float(bootstrap["level"]))
+    df = _frame(entries, SCORE_COLUMNS)
+    if len(df):
+        df = df.sort_values(["view", "design", "scope", "metric", "m", "rank", "encoder"], na_position="last",
+                            kind="stable").reset_index(drop=True)
+    return df
+
+
+def probe_table(store, fingerprints: Iterable[str]) -> pd.DataFrame:
+    """One row per probe accuracy of the stored probe records ``fingerprints``: ``encoder, view,
+    test_set`` (``in_domain`` or a test set), ``split`` (schedule row, 0 = balanced),
+    ``replicate``, ``replicate_seed``, ``accuracy`` (balanced accuracy), ``unit_fingerprint``,
+    ``split_plan_sha256`` (columns :data:`PROBE_COLUMNS`)."""
+    rows, seen = [], set()
+    for fp in dict.fromkeys(fingerprints):
+        record = store.record(fp)
+        if record is None or record.get("design") != "probe" or record.get("matrix") is None:
+            continue
+        key = (record.get("unit_fingerprint"), record.get("scope"))
+        if key in seen:  # the apd and nipd records of a matrix hold the same matrix
+            continue
+        seen.add(key)
+        acc = np.asarray(record["matrix"], dtype=np.float64)
+        seeds = list(record.get("replicate_seeds") or [])
+        for s in range(acc.shape[0]):
+            for r in range(acc.shape[1]):
+                rows.append({"encoder": record.get("encoder"), "view": record.get("view"),
+                             "test_set": record.get("scope"), "split": s, "replicate": r,
+                             "replicate_seed": seeds[r] if r < len(seeds) else None, "accuracy": float(acc[s, r]),
+                             "unit_fingerprint": record.get("unit_fingerprint"),
+                             "split_plan_sha256": record.get("split_plan_sha256")})
+    df = _frame(rows, PROBE_COLUMNS)
+    for c in ("split", "replicate", "replicate_seed"):
+        df[c] = pd.array([None if v is None or (isinstance(v, float) and math.isnan(v)) else int(v) for v in df[c]],
+                         dtype="Int64")
+    return df
+
+
+def scores_json(df: pd.DataFrame) -> str:
+    """The table as JSON records (NaN → null, timestamps ISO 8601)."""
+    return df.to_json(orient="records", date_format="iso", indent=1)
+

@@ -1,0 +1,236 @@
+"""Pins cachescore.results: the tidy score table's intervals, flags and ranks (ADR-0009).
+
+The demo job is run once (in-process cluster); its ``<store>/scores.parquet`` must read with
+``pd.read_parquet`` and carry the documented columns. CRoMa intervals and rank intervals equal
+croma 1.0.1's ``bootstrap_pooled_median`` / ``paired_rank_stability`` on the stored per-unit
+values; the RI / MaRI pooled-ratio bootstrap equals a plain per-replicate reference (croma's draw
+rule, rows concatenated per replicate); a single-confounder view is ``defined = false`` and
+unranked; APD intervals are percentiles over the probe replicates.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from croma.metrics import bootstrap as ref
+
+from cachescore.cache import Cache, make_demo_cache, write_view
+from cachescore.jobs import load_job, parse_job
+from cachescore.metrics import bootstrap as ours
+from cachescore.pipeline import plan_job, run_job
+from cachescore.results import SCORE_COLUMNS, score_table
+from cachescore.store import ResultsStore
+
+REPO = Path(__file__).resolve().parents[1]
+REQUIRED = {"encoder", "view", "design", "metric", "m", "value", "ci_low", "ci_high", "ci_level", "support",
+            "defined", "low_support", "rank", "rank_low", "rank_high", "recall", "n_units", "warnings",
+            "fingerprint", "code_version", "finished_at"}
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """The demo job run into a fresh store (in-process cluster); returns the loaded job."""
+    root = tmp_path_factory.mktemp("demo")
+    text = (REPO / "jobs" / "demo.toml").read_text()
+    text = text.replace('cache = "../demo-cache"', f'cache = "{root / "cache"}"').replace(
+        'store = "../results/demo"', f'store = "{root / "store"}"')
+    (root / "demo.toml").write_text(text)
+    job = load_job(root / "demo.toml")
+    summary = run_job(job, processes=False, out=io.StringIO())
+    assert summary.ok and summary.tables["scores"].endswith("scores.parquet")
+    return job
+
+
+def _groups(job, view, per_unit):
+    frame = Cache(job.cache).read_view(view)
+    return frame["group_id"].astype(str).to_numpy()[per_unit["source_index"].to_numpy()]
+
+
+def test_scores_parquet_reads_with_pandas_and_has_the_columns(demo):
+    df = pd.read_parquet(demo.store / "scores.parquet")
+    assert REQUIRED <= set(df.columns) and list(df.columns) == list(SCORE_COLUMNS)
+    assert len(df) == 40 and df["defined"].all()
+    metric = df[df["metric"].isin(["ri", "mari", "croma"])]
+    assert (metric["ci_low"] <= metric["value"]).all() and (metric["value"] <= metric["ci_high"]).all()
+    assert (metric["n_boot"] == 2000).all() and (metric["ci_level"] == 0.95).all()
+    assert df["rank"].notna().all() and (df["rank_low"].dropna() <= df["rank"][df["rank_low"].notna()]).all()
+    probe = pd.read_parquet(demo.store / "probe.parquet")
+    assert len(probe) == 4 * 2 * 2 * 5  # encoders x matrices x splits x replicates
+    assert set(probe["test_set"]) == {"in_domain", "centre_C"} and probe["accuracy"].between(0, 1).all()
+
+
+def test_croma_intervals_and_ranks_equal_croma_bootstrap(demo):
+    store = ResultsStore(demo.store)
+    df = pd.read_parquet(demo.store / "scores.parquet")
+    rows = df[(df["metric"] == "croma") & (df["design"] == "all")]
+    values, groups = {}, None
+    for r in rows.itertuples():
+        pu = store.per_unit(r.fingerprint)
+        groups = _groups(demo, r.view, pu)
+        values[r.encoder] = pu["value"].to_numpy()
+        ci = ref.bootstrap_pooled_median(values[r.encoder], groups, n_boot=2000, level=0.95, seed=0)
+        assert (r.value, r.ci_low, r.ci_high) == (ci.point, ci.lo, ci.hi)
+    rs = ref.paired_rank_stability(values, groups, n_boot=2000, level=0.95, seed=0)
+    for r in rows.itertuples():
+        assert (r.rank, r.rank_low, r.rank_high) == (rs.point_rank[r.encoder], rs.rank_lo[r.encoder],
+                                                      rs.rank_hi[r.encoder])
+        assert r.mean_rank == pytest.approx(rs.mean_rank[r.encoder], abs=0)
+
+
+def _reference_ratio_ci(so, os_, groups, n_boot, level, seed, point):
+    """croma's draw rule with rows concatenated per replicate (no vectorisation)."""
+    ids = np.unique(groups)
+    rows = [np.flatnonzero(groups == g) for g in ids]
+    rng = np.random.default_rng(seed)
+    boot = []
+    for _ in range(n_boot):
+        pick = rng.integers(0, len(ids), len(ids))
+        sel = np.concatenate([rows[p] for p in pick])
+        s, o = so[sel].sum(), os_[sel].sum()
+        boot.append(s / (s + o) if s + o > 0 else np.nan)
+    return ours.percentile_ci(np.asarray(boot), point, level, n_boot)  # pinned against croma in test_bootstrap
+
+
+@pytest.mark.parametrize("metric", ["ri", "mari"])
+@pytest.mark.parametrize("design", ["all", "paired_2x2"])
+def test_pooled_ratio_intervals_equal_a_plain_reference(demo, metric, design):
+    store = ResultsStore(demo.store)
+    df = pd.read_parquet(demo.store / "scores.parquet")
+    rows = df[(df["metric"] == metric) & (df["design"] == design)]
+    assert len(rows) == 4
+    for r in rows.itertuples():
+        pu = store.per_unit(r.fingerprint)
+        so, os_ = pu["so"].to_numpy(), pu["os"].to_numpy()
+        assert so.sum() / (so.sum() + os_.sum()) == pytest.approx(r.value, rel=1e-12)  # the stored pooled value
+        want = _reference_ratio_ci(so, os_, _groups(demo, r.view, pu), 2000, 0.95, 0, r.value)
+        assert r.ci_low == pytest.approx(want.lo, rel=1e-12) and r.ci_high == pytest.approx(want.hi, rel=1e-12)
+
+
+def test_paired_croma_interval_is_the_balanced_median_bootstrap(demo):
+    store = ResultsStore(demo.store)
+    df = pd.read_parquet(demo.store / "scores.parquet")
+    r = df[(df["metric"] == "croma") & (df["design"] == "paired_2x2") & (df["encoder"] == "enc1")].iloc[0]
+    pu = store.per_unit(r["fingerprint"])
+    groups, subsets, values = _groups(demo, r["view"], pu), pu["subset"].to_numpy(), pu["value"].to_numpy()
+    ids = np.unique(groups)
+    members = [np.flatnonzero(groups == g) for g in ids]
+    rng = np.random.default_rng(0)
+    boot = []
+    for _ in range(2000):
+        sel = np.concatenate([members[p] for p in rng.integers(0, len(ids), len(ids))])
+        boot.append(np.median([np.median(values[sel][subsets[sel] == s]) for s in np.unique(subsets[sel])]))
+    want = ours.percentile_ci(np.asarray(boot), r["value"], 0.95, 2000)
+    assert r["value"] == np.median([np.median(values[subsets == s]) for s in np.unique(subsets)])
+    assert (r["ci_low"], r["ci_high"]) == pytest.approx((want.lo, want.hi), rel=1e-12)
+
+
+def test_apd_interval_is_over_probe_replicates(demo):
+    df = pd.read_parquet(demo.store / "scores.parquet")
+    store = ResultsStore(demo.store)
+    r = df[(df["metric"] == "apd") & (df["scope"] == "in_domain") & (df["encoder"] == "enc0")].iloc[0]
+    acc = np.asarray(store.record(r["fingerprint"])["matrix"])
+    drops = (acc[1:] / acc[0]).mean(axis=0) - 1
+    assert r["value"] == pytest.approx(drops.mean(), abs=1e-15)
+    assert (r["ci_low"], r["ci_high"]) == pytest.approx(tuple(np.percentile(drops, [2.5, 97.5])), abs=1e-15)
+    assert r["ci_method"] == "percentile over probe replicates" and r["n_boot"] == acc.shape[1]
+
+
+def test_a_single_confounder_view_is_refused_at_plan_time(tmp_path):
+    root = tmp_path / "cache"
+    make_demo_cache(root, n_slides_per_cell=2, tiles_per_slide=4, dim=8, encoders=2, seed=3)
+    frame = Cache(root).read_view("centre_all")
+    one = frame[frame["centre"] == frame["centre"].iloc[0]]
+    write_view(root, "one_centre", one[[c for c in one.columns if c != "row"]], tileset="demo",
+               confounder_column="centre", design="all")
+    job = parse_job({"schema_version": 1, "job": {"cache": str(root), "store": str(tmp_path / "store"),
+                                                  "views": ["one_centre", "centre_all"]},
+                     "metrics": {"families": ["ri", "croma"]},
+                     "execution": {"n_workers": 1, "dashboard": False, "performance_report": False}},
+                    path=tmp_path / "job.toml")
+    plan = plan_job(job)
+    assert len(plan.invalid) == 4 and {u.view for u in plan.pending} == {"centre_all"}
+    assert all(i.error.startswith("view 'one_centre': column 'centre' has a single value") for i in plan.invalid)
+    summary = run_job(job, processes=False, out=io.StringIO())
+    assert len(summary.failures) == 4 and summary.succeeded == 4
+    df = pd.read_parquet(job.store / "scores.parquet")
+    assert set(df["view"]) == {"centre_all"} and df["defined"].all()
+
+
+def test_a_support_zero_score_is_undefined_and_unranked(tmp_path):
+    """Four tight cells far apart, k = 3 within each cell's other slides: every window holds only
+    same-label-same-confounder rows, so support is 0 and RI/MaRI are croma's 0.5 fallback."""
+    root = tmp_path / "cache"
+    rng = np.random.default_rng(0)
+    rows = []
+    for c, (lab, centre) in enumerate([(0, "A"), (0, "B"), (1, "A"), (1, "B")]):
+        for s in range(3):
+            for t in range(4):
+                rows.append({"sample_id": f"c{c}s{s}t{t}", "image_path": f"c{c}s{s}t{t}.png", "label": lab,
+                             "centre": centre, "group_id": f"c{c}s{s}"})
+    tiles = pd.DataFrame(rows)
+    x = (np.repeat(np.eye(8)[:4] * 10, 12, axis=0) + rng.normal(0, 0.01, (48, 8))).astype(np.float32)
+    from cachescore.cache import write_embeddings, write_tileset
+
+    write_tileset(root, "ts", tiles)
+    for enc in ("e0", "e1"):
+        noise = np.zeros_like(x) if enc == "e0" else rng.normal(0, 0.01, x.shape).astype(np.float32)
+        write_embeddings(root, enc, "ts", x + noise)
+    write_view(root, "v", tiles[["sample_id"]], tileset="ts", confounder_column="centre", design="all")
+    job = parse_job({"schema_version": 1, "job": {"cache": str(root), "store": str(tmp_path / "store")},
+                     "metrics": {"families": ["ri", "mari"], "ri": {"k_candidates": [3]}, "mari": {"k_candidates": [3]}},
+                     "execution": {"n_workers": 1, "dashboard": False, "performance_report": False}},
+                    path=tmp_path / "job.toml")
+    summary = run_job(job, processes=False, out=io.StringIO())
+    assert summary.ok
+    df = pd.read_parquet(job.store / "scores.parquet")
+    assert len(df) == 4 and (df["support"] == 0).all() and (df["value"] == 0.5).all()
+    assert not df["defined"].any() and df["rank"].isna().all() and df["ci_low"].isna().all()
+    assert all(r.startswith("support 0") for r in df["undefined_reason"])
+
+
+def test_low_support_is_flagged_but_ranked(demo):
+    store = ResultsStore(demo.store)
+    plan = plan_job(demo, store=store)
+    strict = score_table(store, Cache(demo.cache), plan.record_fingerprints(), min_support=0.99)
+    ri = strict[strict["metric"] == "ri"]
+    flagged = ri[ri["support"] < 0.99]
+    assert len(flagged) and flagged["low_support"].all() and flagged["rank"].notna().all()
+    assert not ri[ri["support"] >= 0.99]["low_support"].any()
+
+
+@pytest.mark.parametrize("design", ["all", "paired_2x2"])
+def test_compare_croma_equals_croma_paired_delta(demo, design):
+    from cachescore.results import compare_encoders
+
+    store = ResultsStore(demo.store)
+    plan = plan_job(demo, store=store)
+    rows = compare_encoders(store, Cache(demo.cache), plan.record_fingerprints(), "enc1", "enc2", metric="croma")
+    (row,) = [r for r in rows if r["design"] == design]
+    df = pd.read_parquet(demo.store / "scores.parquet")
+    pick = df[(df["metric"] == "croma") & (df["design"] == design)].set_index("encoder")
+    pa_, pb = store.per_unit(pick.loc["enc1", "fingerprint"]), store.per_unit(pick.loc["enc2", "fingerprint"])
+    kw = {"subset_ids": pa_["subset"].to_numpy()} if design == "paired_2x2" else {}
+    want = ref.paired_cluster_bootstrap_delta(pa_["value"].to_numpy(), pb["value"].to_numpy(),
+                                              _groups(demo, pick.loc["enc1", "view"], pa_), n_boot=2000, level=0.95,
+                                              seed=0, **kw)
+    assert (row["delta"], row["ci_low"], row["ci_high"]) == pytest.approx((want.point, want.lo, want.hi), abs=1e-15)
+    assert row["verdict"] in ("enc1 more robust", "enc2 more robust", "no detectable difference")
+    if row["ci_high"] < 0:
+        assert row["verdict"] == "enc1 more robust" and row["win_fraction"] < 0.05
+
+
+def test_compare_cli(demo, capsys):
+    from cachescore.cli import main
+
+    assert main(["compare", str(demo.path), "enc0", "enc3", "--view", "centre_all"]) == 0
+    out = capsys.readouterr().out
+    assert "enc0 more robust" in out and "delta = enc3 - enc0" in out
+    assert main(["compare", str(demo.path), "enc0", "enc3", "--metric", "ri", "--json"]) == 0
+    rows = __import__("json").loads(capsys.readouterr().out)
+    assert {r["design"] for r in rows} == {"all", "paired_2x2"} and all(r["delta"] < 0 for r in rows)
+    assert main(["compare", str(demo.path), "enc0", "nope"]) == 2
+    assert "no stored score of encoder(s) nope" in capsys.readouterr().err
