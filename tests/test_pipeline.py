@@ -671,3 +671,26 @@ def test_probe_tasks_use_the_planned_input_fingerprints(tmp_path, monkeypatch):
     assert (stored["design"] == "probe").sum() == 4
     assert all(json.loads(e).get("unit_fingerprint") == probe_unit.fingerprint
                for e in stored[stored["design"] == "probe"]["extra"])
+
+
+def test_prune_lists_then_removes_what_no_current_fingerprint_names(tmp_path, demo_cache, monkeypatch):
+    from cachescore.pipeline.prune import prune_store
+
+    job = make_job(tmp_path, demo_cache, job={"encoders": ["enc0"]})
+    monkeypatch.setenv("CACHESCORE_CODE_VERSION", "old")
+    old = run(job)
+    monkeypatch.setenv("CACHESCORE_CODE_VERSION", "new")
+    new = run(job)
+    assert old.succeeded == new.succeeded == 8
+    store = ResultsStore(job.store)
+    store.record_failure("ab" * 32, unit={"encoder": "gone", "view": "v", "metric": "ri"}, error="old failure")
+    plan = plan_job(job, store=store)
+    current = {u.fingerprint for u in plan.units}
+    dry = prune_store(plan, store)
+    assert len(dry.stale_records) == 8 and dry.abandoned_failures == ["ab" * 32] and not dry.applied
+    assert not set(dry.stale_records) & current and len(store.stored_fingerprints()) == 16  # nothing deleted
+    done = prune_store(plan, store, apply=True)
+    assert done.bytes_freed > 0 and store.stored_fingerprints() == current
+    assert store.failure_fingerprints() == set() and len(list((job.store / "units").glob("*/.*.parquet"))) == 8
+    assert run(job).executed == 0  # the current results are intact
+    assert prune_store(plan_job(job, store=store), store).stale_records == []

@@ -16,6 +16,7 @@ Commands are thin: parse, call the library, format, return an exit code.
 * ``cachescore report JOB [--out HTML]`` – the static HTML report of the job's store
   (:func:`cachescore.report.build_report`).
 * ``cachescore compare JOB A B [--view V] [--metric M] [--json]`` – B − A with a paired CI and a verdict.
+* ``cachescore prune JOB [--apply]`` – stale records and abandoned failures (dry run by default).
 * ``cachescore export JOB [--format parquet|csv|json] [-o PATH]`` – the tidy score and probe tables.
 * ``cachescore import …`` – build a cache from ``.npy`` files (:func:`cachescore.cache.import_cache`).
 * ``cachescore demo [DIR]`` – write the self-contained demo job into DIR and run it.
@@ -37,6 +38,7 @@ from .jobs import describe_schema, load_job
 from ._jsonsafe import json_safe
 from .pipeline import plan_job, run_job, unit_status
 from .pipeline.execute import build_results
+from .pipeline.prune import prune_store
 from .store import ResultsStore
 from .pipeline.watch import watch_job
 from .report import build_report
@@ -273,6 +275,22 @@ def _cmd_compare(args) -> int:
     return 0
 
 
+def _cmd_prune(args) -> int:
+    job = load_job(args.job)
+    store = ResultsStore(job.store)
+    report = prune_store(plan_job(job, store=store), store, apply=args.apply)
+    verb = "removed" if report.applied else "would remove"
+    print(f"{verb} {len(report.stale_records)} stale record(s) and {len(report.abandoned_failures)} abandoned "
+          f"failure(s) from {job.store}" + (f" ({report.bytes_freed} bytes freed)" if report.applied else ""))
+    for fp in report.stale_records[:20]:
+        print(f"  record  {fp}")
+    for fp in report.abandoned_failures[:20]:
+        print(f"  failure {fp}")
+    if not report.applied and (report.stale_records or report.abandoned_failures):
+        print(f"dry run: nothing was deleted; run `cachescore prune {args.job} --apply` to delete")
+    return 0
+
+
 def _cmd_export(args) -> int:
     job = load_job(args.job)
     store = ResultsStore(job.store)
@@ -375,6 +393,12 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--metric", default=None, help="only this metric (ri, mari, croma, apd, nipd)")
     cp.add_argument("--json", action="store_true", help="machine-readable rows")
     cp.set_defaults(func=_cmd_compare)
+
+    pr = sub.add_parser("prune", help="list (or with --apply delete) stored results and failures no current "
+                                      "fingerprint of the job refers to")
+    pr.add_argument("job")
+    pr.add_argument("--apply", action="store_true", help="delete them (default: a dry run that only lists)")
+    pr.set_defaults(func=_cmd_prune)
 
     ex = sub.add_parser("export", help="write the tidy score and probe tables (with CIs, flags, ranks)")
     ex.add_argument("job")

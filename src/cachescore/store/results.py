@@ -266,6 +266,28 @@ class ResultsStore:
                     "unit": json_safe(unit, nonfinite="string"), "error": str(error)}
         atomic_write_json(self._failure_json(fp), envelope, overwrite=True)
 
+    def stored_fingerprints(self) -> set[str]:
+        """Every fingerprint with an envelope file under ``units/`` (complete or not)."""
+        base = self.path / "units"
+        return {p.stem for p in base.glob("*/*.json") if _FP.match(p.stem)} if base.is_dir() else set()
+
+    def failure_fingerprints(self) -> set[str]:
+        """Every fingerprint with a failure file under ``failures/`` (superseded ones included)."""
+        base = self.path / "failures"
+        return {p.stem for p in base.glob("*/*.json") if _FP.match(p.stem)} if base.is_dir() else set()
+
+    def delete_unit(self, fp: str) -> int:
+        """Remove a stored unit: its envelope first (the key disappears at once, readers then
+        ignore the rest), then every per-unit table written for it. Returns the bytes freed;
+        missing files are not an error."""
+        env_path = self._unit_json(self._check_fp(fp))
+        freed = env_path.stat().st_size if env_path.is_file() else 0
+        env_path.unlink(missing_ok=True)
+        for table in env_path.parent.glob(f".{fp}.*.parquet"):
+            freed += table.stat().st_size
+            table.unlink(missing_ok=True)
+        return freed
+
     def clear_failure(self, fp: str) -> None:
         """Forget a recorded failure of ``fp`` (for units whose success is stored under other
         fingerprints, e.g. a probe unit's per-record results). Missing is not an error."""
