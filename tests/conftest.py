@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -91,3 +92,22 @@ def croma_call():
 def rng_factory():
     """``rng_factory(*keys)`` → a ``numpy.random.Generator`` seeded from the integer keys."""
     return lambda *keys: np.random.default_rng([int(k) for k in keys])
+
+
+@pytest.fixture(scope="session")
+def demo(tmp_path_factory):
+    """The demo job run into a fresh store (in-process cluster); returns the loaded job."""
+    import io
+
+    from cachescore.jobs import load_job
+    from cachescore.pipeline import run_job
+
+    root = tmp_path_factory.mktemp("demo")
+    text = (Path(__file__).resolve().parents[1] / "jobs" / "demo.toml").read_text()
+    text = text.replace('cache = "../demo-cache"', f'cache = "{root / "cache"}"').replace(
+        'store = "../results/demo"', f'store = "{root / "store"}"')
+    (root / "demo.toml").write_text(text)
+    job = load_job(root / "demo.toml")
+    summary = run_job(job, processes=False, out=io.StringIO())
+    assert summary.ok and summary.tables["scores"].endswith("scores.parquet")
+    return job

@@ -31,20 +31,6 @@ REQUIRED = {"encoder", "view", "design", "metric", "m", "value", "ci_low", "ci_h
             "fingerprint", "code_version", "finished_at"}
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    """The demo job run into a fresh store (in-process cluster); returns the loaded job."""
-    root = tmp_path_factory.mktemp("demo")
-    text = (REPO / "jobs" / "demo.toml").read_text()
-    text = text.replace('cache = "../demo-cache"', f'cache = "{root / "cache"}"').replace(
-        'store = "../results/demo"', f'store = "{root / "store"}"')
-    (root / "demo.toml").write_text(text)
-    job = load_job(root / "demo.toml")
-    summary = run_job(job, processes=False, out=io.StringIO())
-    assert summary.ok and summary.tables["scores"].endswith("scores.parquet")
-    return job
-
-
 def _groups(job, view, per_unit):
     frame = Cache(job.cache).read_view(view)
     return frame["group_id"].astype(str).to_numpy()[per_unit["source_index"].to_numpy()]

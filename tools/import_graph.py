@@ -46,7 +46,7 @@ LAYERS = [
     {"probe", "downstream"},
     {"jobs", "results"},
     {"pipeline"},
-    {"report"},
+    {"report", "report_figures"},
     {"cli", "<root>"},
 ]
 

@@ -1,7 +1,13 @@
 """A self-contained static HTML report of a results store.
 
 :func:`build_report` reads a results store (:class:`~cachescore.store.ResultsStore`) and writes one
-HTML file with no external resources (inline CSS and SVG, no JavaScript, no new dependency):
+HTML file with no external resources (inline CSS and SVG drawn by matplotlib, no JavaScript):
+
+* **Overview** (from ``<store>/scores.parquet``): encoder × metric per view, value with its CI and
+  flags, the best defined score of each column starred;
+* **Scores with uncertainty**: a forest plot per view × metric (axis on the metric's range);
+* **Probe accuracy under confounding** (``<store>/probe.parquet``): accuracy per split per encoder;
+* **CRoMa margins**: the ECDF of every unit's margin with F0 and the α-tail;
 
 * **Leaderboards**, one per (view, design, metric[, m]): encoders ranked by ``value`` (descending;
   higher is more robust; NaN ranks last and gets no rank; equal values share a rank), with std,
@@ -38,6 +44,7 @@ import pandas as pd
 
 from .cache import Cache, CacheError
 from .store import CorruptRecordError, ResultsStore
+from .report_figures import accuracy_curve_svg, ecdf_svg, forest_svg, metric_axis
 from .store.atomic import atomic_write_bytes
 
 __all__ = ["build_report"]
@@ -64,7 +71,8 @@ th{background:#f6f8fa}td.num{text-align:right;font-variant-numeric:tabular-nums}
 tr.nan td{color:#8c959f}.bar{display:inline-block;height:9px;background:#0969da;margin-right:6px;vertical-align:middle}
 pre{white-space:pre-wrap;word-break:break-word;margin:0;font-size:.95em}
 .panels{display:flex;flex-wrap:wrap;gap:12px}.panel{border:1px solid #d0d7de;padding:6px;border-radius:4px}
-.panel .t{font-size:.85em;font-weight:600}.ok{color:#1a7f37}.bad{color:#cf222e}
+.panel .t{font-size:.85em;font-weight:600}.ok{color:#1a7f37}.bad{color:#cf222e}.warn{color:#9a6700}
+.best{color:#bf8700}.panel svg{max-width:100%;height:auto}
 nav a{margin-right:12px}code{font-size:.9em}
 """
 
@@ -228,6 +236,116 @@ def _group_title(key: tuple) -> str:
     return title + (f" · m={m}" if m >= 0 else "") + (f" · matrix {scope}" if scope else "")
 
 
+# -- sections from the tidy tables (scores.parquet / probe.parquet, ADR-0009) ---------------------
+def _tidy(store_path: Path, name: str) -> pd.DataFrame | None:
+    path = store_path / name
+    if not path.is_file():
+        return None
+    try:
+        return pd.read_parquet(path)
+    except (OSError, ValueError) as exc:  # a damaged table: say so in the page
+        return pd.DataFrame({"_error": [f"{path}: {exc}"]})
+
+
+def _label(r) -> str:
+    name = _metric_name(r["metric"])
+    if str(r["metric"]) == "croma" and not _missing(r.get("m")):
+        name += f" (m={int(r['m'])})"
+    if str(r["design"]) == "probe" and not _missing(r.get("scope")):
+        name += f" [{r['scope']}]"
+    return name
+
+
+def _cell(r) -> str:
+    if not r["defined"]:
+        return f"<span class='muted' title='{_e(r['undefined_reason'])}'>undefined</span>"
+    ci = "" if _missing(r["ci_low"]) else f" <span class='muted'>[{_num(r['ci_low'], 3)}, {_num(r['ci_high'], 3)}]</span>"
+    flags = []
+    if r["low_support"]:
+        flags.append(f"<span class='bad' title='support {_num(r['support'], 3)}'>low support</span>")
+    if str(r.get("warnings") or "").strip():
+        flags.append(f"<span class='warn' title='{_e(r['warnings'])}'>⚠</span>")
+    star = "<b class='best' title='rank 1'>★</b> " if r["rank"] == 1 else ""
+    return f"{star}{_num(r['value'], 3)}{ci}{' ' + ' '.join(flags) if flags else ''}"
+
+
+def _overview_html(scores: pd.DataFrame | None) -> str:
+    if scores is None or scores.empty:
+        return "<p class='muted'>No <code>scores.parquet</code> yet: run the job (cachescore run JOB).</p>"
+    if "_error" in scores.columns:
+        return f"<p class='bad'>{_e(scores['_error'].iloc[0])}</p>"
+    out = []
+    for view, part in scores.groupby("view", sort=True):
+        cols = list(dict.fromkeys(_label(r) + f" · {r['design']}" for _, r in part.iterrows()))
+        encoders = sorted(part["encoder"].unique())
+        cells = {(r["encoder"], _label(r) + f" · {r['design']}"): _cell(r) for _, r in part.iterrows()}
+        body = [[_td(_e(e))] + [_td(cells.get((e, c), "—"), num=True) for c in cols] for e in encoders]
+        out.append(f"<h3>view {_e(view)}</h3>" + _table(["encoder"] + [_e(c) for c in cols], body, raw_headers=True))
+    return ("<p class='muted'>value [95% cluster-bootstrap CI over group_id; APD: over probe replicates]; "
+            "★ best defined score of the column; undefined scores are never ranked (hover for why); "
+            "⚠ stored warnings (hover).</p>" + "".join(out))
+
+
+def _forest_html(scores: pd.DataFrame | None) -> str:
+    if scores is None or scores.empty or "_error" in scores.columns:
+        return "<p class='muted'>No scores to plot.</p>"
+    out = []
+    keys = ["view", "design", "scope", "metric", "m"]
+    for key, part in scores.groupby(keys, dropna=False, sort=True):
+        part = part.sort_values(["rank", "encoder"], na_position="last")
+        shown = part[part["defined"]]
+        hidden = part[~part["defined"]]
+        title = f"{_label(part.iloc[0])} · view {key[0]} · design {key[1]}"
+        if shown.empty:
+            out.append(f"<div class='panel'><div class='t'>{_e(title)}</div><div class='muted'>no defined score: "
+                       f"{_e('; '.join(sorted(set(hidden['undefined_reason']))))}</div></div>")
+            continue
+        best = shown.iloc[0]["encoder"] if shown.iloc[0]["rank"] == 1 else None
+        svg = forest_svg(list(shown["encoder"]), shown["value"].to_numpy(float), shown["ci_low"].to_numpy(float),
+                         shown["ci_high"].to_numpy(float), metric=str(key[3]), title=title, best=best)
+        note = "" if hidden.empty else (f"<div class='muted'>not shown (undefined): "
+                                        f"{_e(', '.join(hidden['encoder']))}</div>")
+        out.append(f"<div class='panel'>{svg}{note}</div>")
+    return ("<p class='muted'>points: stored scores; bars: 95% CIs; ★ rank 1; axis: the metric's range "
+            "(RI/MaRI 0–1, dotted line at 0.5; CRoMa and probe drops around 0).</p>"
+            f"<div class='panels'>{''.join(out)}</div>")
+
+
+def _probe_html(probe: pd.DataFrame | None) -> str:
+    if probe is None or probe.empty or "_error" in probe.columns:
+        return "<p class='muted'>No probe sweep in this store.</p>"
+    out = []
+    for (view, test_set), part in probe.groupby(["view", "test_set"], sort=True):
+        curves = {}
+        for enc, e in part.groupby("encoder", sort=True):
+            stats = e.groupby("split")["accuracy"].agg(["mean", "std"]).sort_index()
+            curves[enc] = (stats["mean"].to_numpy(float), stats["std"].fillna(0).to_numpy(float))
+        out.append(f"<div class='panel'>{accuracy_curve_svg(curves, title=f'view {view} · test set {test_set}')}</div>")
+    return ("<p class='muted'>balanced accuracy of the probes per split of the schedule (mean ± sd over "
+            "replicates): a robust encoder keeps its accuracy as training gets more confounded, in-domain and on "
+            "unseen centres.</p>" f"<div class='panels'>{''.join(out)}</div>")
+
+
+def _margins_html(store, scores: pd.DataFrame | None) -> str:
+    if scores is None or scores.empty or "_error" in scores.columns:
+        return "<p class='muted'>No scores.</p>"
+    rows = scores[(scores["metric"] == "croma") & scores["defined"]]
+    if rows.empty:
+        return "<p class='muted'>No CRoMa scores.</p>"
+    panels = []
+    for _, r in rows.sort_values(["view", "design", "m", "rank"]).iterrows():
+        try:
+            values = store.per_unit(r["fingerprint"])["value"].to_numpy(dtype=float)
+        except (CorruptRecordError, KeyError) as exc:
+            panels.append(f"<div class='panel'><div class='muted'>{_e(r['encoder'])}: per-unit table unreadable: "
+                          f"{_e(exc)}</div></div>")
+            continue
+        title = f"{r['encoder']} · {r['view']} · m={int(r['m'])}"
+        panels.append(f"<div class='panel'>{ecdf_svg(values, alpha=0.10, q_alpha=r['q_alpha'], title=title)}</div>")
+    return ("<p class='muted'>ECDF of each unit's CRoMa margin: F0 = share of units with a margin ≤ 0 (red), "
+            "the lower α-tail shaded.</p>" f"<div class='panels'>{''.join(panels)}</div>")
+
+
 # -- sections ----------------------------------------------------------------------------------
 def _leaderboard_html(groups: list[dict]) -> str:
     if not groups:
@@ -239,7 +357,9 @@ def _leaderboard_html(groups: list[dict]) -> str:
         alpha = {_params(p).get("alpha") for p in rows["params"]} - {None}
         finite = rows["value"].to_numpy(dtype=float)
         finite = finite[np.isfinite(finite)]
-        lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
+        # bars on the metric's own range (RI/MaRI [0, 1]; others symmetric around 0), not the
+        # table's min..max (which always drew the last entry with an empty bar)
+        lo, hi = metric_axis(str(g["key"][3]), finite, finite)
         headers = ["rank", "encoder", "value"] + [h for _, h in shown] + ["fingerprint"]
         body, classes = [], []
         for _, r in rows.iterrows():
@@ -268,6 +388,8 @@ def _distributions_html(store, groups: list[dict], bins: int) -> str:
         return "<p class='muted'>No per-unit values.</p>"
     out = []
     for gi, g in enumerate(groups):
+        if g["key"][1] == "probe":  # APD / nIPD summarise matrices: their plots are in the probe section
+            continue
         rows: pd.DataFrame = g["rows"]
         values, notes = [], []
         for _, r in rows.iterrows():
@@ -496,7 +618,12 @@ def build_report(store_path, out_html, *, cache=None, bins: int = HIST_BINS) -> 
     generated = datetime.now(timezone.utc).isoformat(timespec="seconds")
     n_enc = scores["encoder"].nunique() if not scores.empty else 0
     n_view = scores["view"].nunique() if not scores.empty else 0
-    sections = [("leaderboards", "Leaderboards", _leaderboard_html(groups)),
+    tidy, probe = _tidy(store_path, "scores.parquet"), _tidy(store_path, "probe.parquet")
+    sections = [("overview", "Overview", _overview_html(tidy)),
+                ("forest", "Scores with uncertainty", _forest_html(tidy)),
+                ("probe", "Probe accuracy under confounding", _probe_html(probe)),
+                ("margins", "CRoMa margins", _margins_html(store, tidy)),
+                ("leaderboards", "Leaderboards", _leaderboard_html(groups)),
                 ("distributions", "Per-unit distributions", _distributions_html(store, groups, int(bins))),
                 ("failures", f"Failures ({len(failures)})", _failures_html(failures)),
                 ("provenance", "Provenance of the latest run", _provenance_html(store, scores, out_html))]

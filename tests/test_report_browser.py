@@ -1,0 +1,63 @@
+"""The HTML report in a real browser: Debian's headless Chromium driven by playwright (the system
+browser, ``/usr/bin/chromium``; nothing downloads a browser build; ``.ci/run`` installs it).
+
+Renders the demo store's report, fails on any console error or page error, checks that every
+section and every plot is present and non-empty (an ``<svg>`` with drawn paths and a visible box),
+and saves a full-page screenshot as a test artefact (``$CACHESCORE_TEST_ARTIFACTS`` or
+``test-artifacts/`` at the repository root).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from cachescore.report import build_report
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+ARTIFACTS = Path(os.environ.get("CACHESCORE_TEST_ARTIFACTS", Path(__file__).resolve().parents[1] / "test-artifacts"))
+#: The flags the workplace's probe uses for headless Chromium on this closed network.
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+def test_demo_report_renders_in_chromium_with_every_plot(demo, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    assert Path(CHROMIUM).is_file(), f"{CHROMIUM} not found: install Debian's chromium (apt-get install chromium)"
+    out = build_report(demo.store, tmp_path / "report.html")
+    errors: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS,
+                                     env={**os.environ, "HOME": str(tmp_path)})
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.on("console", lambda m: errors.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
+            page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
+            page.goto(out.as_uri(), wait_until="load")
+            assert page.title().startswith("cachescore report")
+            for section in ("overview", "forest", "probe", "margins", "leaderboards", "distributions"):
+                box = page.locator(f"#{section}").bounding_box()
+                assert box and box["height"] > 0, section
+            plots = page.evaluate("""() => [...document.querySelectorAll('svg')].map(s => {
+                const r = s.getBoundingClientRect();
+                return {w: r.width, h: r.height, drawn: s.querySelectorAll('path, rect, line, polyline').length,
+                        section: s.closest('[id]') ? s.closest('[id]').id : ''};
+            })""")
+            forest = [p for p in plots if p["drawn"] > 10 and p["w"] > 200]
+            assert len(plots) >= 40 and all(p["w"] > 20 and p["h"] > 20 and p["drawn"] > 0 for p in plots), plots[:5]
+            # 10 forest plots (2 views x 3 metrics + 4 probe reductions), 2 probe curves, 8 CRoMa ECDFs
+            assert len(forest) >= 20
+            overview = page.locator("#overview ~ h3").count()
+            assert overview >= 1 and page.locator("text=★").count() >= 10
+            assert page.locator("text=no per-unit values stored").count() == 0  # no empty panels
+            ARTIFACTS.mkdir(parents=True, exist_ok=True)
+            shot = ARTIFACTS / "demo-report.png"
+            page.screenshot(path=str(shot), full_page=True)
+            assert shot.stat().st_size > 50_000
+        finally:
+            browser.close()
+    assert errors == []
