@@ -220,3 +220,31 @@ def test_compare_cli(demo, capsys):
     assert {r["design"] for r in rows} == {"all", "paired_2x2"} and all(r["delta"] < 0 for r in rows)
     assert main(["compare", str(demo.path), "enc0", "nope"]) == 2
     assert "no stored score of encoder(s) nope" in capsys.readouterr().err
+
+
+def test_nipd_interval_is_over_per_replicate_nipd_and_centres_are_tabled(demo):
+    from cachescore.probe.reductions import nipd
+    from cachescore.results.bundles import bundle_facts
+
+    store = ResultsStore(demo.store)
+    df = pd.read_parquet(demo.store / "scores.parquet")
+    r = df[(df["metric"] == "nipd") & (df["scope"] == "centre_C") & (df["encoder"] == "enc2")].iloc[0]
+    record = store.record(r["fingerprint"])
+    facts = bundle_facts(record["bundle"])
+    assert facts.cramers_v == [0.0, 1.0] and facts.chance == 0.5
+    acc = np.asarray(record["matrix"])
+    per_rep = [nipd(np.ascontiguousarray(acc[:, [j]]), facts.cramers_v, facts.chance) for j in range(acc.shape[1])]
+    assert (r["ci_low"], r["ci_high"]) == pytest.approx(tuple(np.percentile(per_rep, [2.5, 97.5])), abs=1e-15)
+    assert r["ci_method"].startswith("percentile over probe replicates")
+    centres = pd.read_parquet(demo.store / "probe_centres.parquet")
+    assert set(centres["encoder"]) == {"enc0", "enc1", "enc2", "enc3"} and set(centres["role"]) >= {"in_domain",
+                                                                                                   "centre_C"}
+    assert centres["balanced_accuracy"].between(0, 1).all()
+
+
+def test_smallest_c_warning(tmp_path):
+    from cachescore.results.bundles import BundleFacts
+
+    assert BundleFacts(smallest_c_share=0.5, smallest_c=1e-8).smallest_c_warning == ""
+    warn = BundleFacts(smallest_c_share=0.7, smallest_c=1e-8).smallest_c_warning
+    assert warn.startswith("in 70% of the probes the validation-selected C was the grid's smallest (1e-08)")

@@ -294,9 +294,9 @@ def _cmd_prune(args) -> int:
 def _cmd_export(args) -> int:
     job = load_job(args.job)
     store = ResultsStore(job.store)
-    scores, probe = build_results(plan_job(job, store=store), store)
+    scores, probe, centres = build_results(plan_job(job, store=store), store)
     out = Path(args.output) if args.output else Path(job.store) / "export" / f"scores.{args.format}"
-    for path in export_tables(scores, probe, out, fmt=args.format):
+    for path in export_tables(scores, probe, out, fmt=args.format, centres=centres):
         print(f"wrote {path}")
     return 0
 

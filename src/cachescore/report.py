@@ -6,7 +6,9 @@ HTML file with no external resources (inline CSS and SVG drawn by matplotlib, no
 * **Overview** (from ``<store>/scores.parquet``): encoder × metric per view, value with its CI and
   flags, the best defined score of each column starred;
 * **Scores with uncertainty**: a forest plot per view × metric (axis on the metric's range);
-* **Probe accuracy under confounding** (``<store>/probe.parquet``): accuracy per split per encoder;
+* **Probe sweep** (``<store>/probe.parquet``, the bundles): accuracy against the training set's
+  Cramér's V per encoder (in-domain and unseen centres), reliability diagrams with ECE, accuracy
+  per centre, and a warning when most probes selected the C grid's smallest value;
 * **CRoMa margins**: the ECDF of every unit's margin with F0 and the α-tail;
 
 * **Leaderboards**, one per (view, design, metric[, m]): encoders ranked by ``value`` (descending;
@@ -44,7 +46,8 @@ import pandas as pd
 
 from .cache import Cache, CacheError
 from .store import CorruptRecordError, ResultsStore
-from .report_figures import accuracy_curve_svg, ecdf_svg, forest_svg, metric_axis
+from .report_figures import accuracy_curve_svg, centre_bars_svg, ecdf_svg, forest_svg, metric_axis, reliability_svg
+from .results.bundles import bundle_facts
 from .store.atomic import atomic_write_bytes
 
 __all__ = ["build_report"]
@@ -311,19 +314,84 @@ def _forest_html(scores: pd.DataFrame | None) -> str:
             f"<div class='panels'>{''.join(out)}</div>")
 
 
-def _probe_html(probe: pd.DataFrame | None) -> str:
+def _probe_facts(store, scores: pd.DataFrame | None) -> dict:
+    """``{(view, encoder): BundleFacts}`` of the probe units behind the score table's probe rows."""
+    out: dict = {}
+    if scores is None or scores.empty or "_error" in scores.columns:
+        return out
+    for _, r in scores[scores["design"] == "probe"].iterrows():
+        key = (r["view"], r["encoder"])
+        if key in out:
+            continue
+        record = store.record(r["fingerprint"]) or {}
+        out[key] = bundle_facts(record.get("bundle"))
+    return out
+
+
+def _calibration_curve(table: pd.DataFrame, role: str):
+    """Pooled reliability curve of one role (raw probabilities, every probe, every class):
+    n-weighted mean confidence and observed frequency per bin."""
+    t = table[(table["role"] == role) & (table["stage"] == "raw") & (table["n"] > 0)]
+    if t.empty:
+        return None
+    g = t.assign(wc=t["mean_confidence"] * t["n"], wf=t["observed_frequency"] * t["n"]).groupby("bin")
+    sums = g[["wc", "wf", "n"]].sum()
+    return (sums["wc"] / sums["n"]).to_numpy(float), (sums["wf"] / sums["n"]).to_numpy(float)
+
+
+def _probe_html(store, probe: pd.DataFrame | None, scores: pd.DataFrame | None,
+                centres: pd.DataFrame | None) -> str:
     if probe is None or probe.empty or "_error" in probe.columns:
         return "<p class='muted'>No probe sweep in this store.</p>"
-    out = []
+    facts = _probe_facts(store, scores)
+    out, warns = [], []
+    for (view, enc), f in sorted(facts.items()):
+        if f.smallest_c_warning:
+            warns.append(f"<li><b>{_e(enc)}</b> · view {_e(view)}: {_e(f.smallest_c_warning)}</li>")
+    panels = []
     for (view, test_set), part in probe.groupby(["view", "test_set"], sort=True):
         curves = {}
         for enc, e in part.groupby("encoder", sort=True):
             stats = e.groupby("split")["accuracy"].agg(["mean", "std"]).sort_index()
             curves[enc] = (stats["mean"].to_numpy(float), stats["std"].fillna(0).to_numpy(float))
-        out.append(f"<div class='panel'>{accuracy_curve_svg(curves, title=f'view {view} · test set {test_set}')}</div>")
-    return ("<p class='muted'>balanced accuracy of the probes per split of the schedule (mean ± sd over "
-            "replicates): a robust encoder keeps its accuracy as training gets more confounded, in-domain and on "
-            "unseen centres.</p>" f"<div class='panels'>{''.join(out)}</div>")
+        v = next((f.cramers_v for (fv, _), f in facts.items() if fv == view and f.cramers_v), None)
+        panels.append(f"<div class='panel'>{accuracy_curve_svg(curves, title=f'view {view} · test set {test_set}', x=v)}</div>")
+    out.append("<h3>Accuracy under confounding</h3><p class='muted'>balanced accuracy of the probes per split of "
+               "the schedule (mean ± sd over replicates) against the confounding of the training set: a robust "
+               "encoder keeps its accuracy as training gets more confounded, in-domain and on unseen centres.</p>"
+               f"<div class='panels'>{''.join(panels)}</div>")
+    cal_panels = []
+    for view in sorted({v for v, _ in facts}):
+        roles = sorted({r for (fv, _), f in facts.items() if fv == view and f.calibration is not None
+                        for r in f.calibration["role"].unique() if r != "val"})
+        for role in roles:
+            curves = {}
+            for (fv, enc), f in sorted(facts.items()):
+                if fv != view or f.calibration is None:
+                    continue
+                curve = _calibration_curve(f.calibration, role)
+                if curve is None:
+                    continue
+                m = f.metrics
+                ece = float(m.loc[m["role"] == role, "ece_raw"].mean()) if m is not None and "ece_raw" in m else float("nan")
+                curves[enc] = (curve[0], curve[1], ece)
+            if curves:
+                cal_panels.append(f"<div class='panel'>{reliability_svg(curves, title=f'view {view} · {role}')}</div>")
+    if cal_panels:
+        out.append("<h3>Calibration</h3><p class='muted'>reliability of the probes' raw probabilities (every "
+                   "probe and class pooled per confidence bin); ECE = mean expected calibration error of the "
+                   f"probes.</p><div class='panels'>{''.join(cal_panels)}</div>")
+    if centres is not None and not centres.empty and "_error" not in centres.columns:
+        bar_panels = []
+        test = centres[centres["role"] != "val"]
+        for (view, role), part in test.groupby(["view", "role"], sort=True):
+            table = part.pivot_table(index="centre", columns="encoder", values="balanced_accuracy", aggfunc="mean")
+            bar_panels.append(f"<div class='panel'>{centre_bars_svg(table, title=f'view {view} · {role}')}</div>")
+        out.append("<h3>Accuracy per centre</h3><p class='muted'>mean balanced accuracy of the probes on each "
+                   f"centre's rows.</p><div class='panels'>{''.join(bar_panels)}</div>")
+    if warns:
+        out.insert(0, f"<div class='bad'><ul>{''.join(warns)}</ul></div>")
+    return "".join(out)
 
 
 def _margins_html(store, scores: pd.DataFrame | None) -> str:
@@ -621,7 +689,7 @@ def build_report(store_path, out_html, *, cache=None, bins: int = HIST_BINS) -> 
     tidy, probe = _tidy(store_path, "scores.parquet"), _tidy(store_path, "probe.parquet")
     sections = [("overview", "Overview", _overview_html(tidy)),
                 ("forest", "Scores with uncertainty", _forest_html(tidy)),
-                ("probe", "Probe accuracy under confounding", _probe_html(probe)),
+                ("probe", "Probe sweep", _probe_html(store, probe, tidy, _tidy(store_path, "probe_centres.parquet"))),
                 ("margins", "CRoMa margins", _margins_html(store, tidy)),
                 ("leaderboards", "Leaderboards", _leaderboard_html(groups)),
                 ("distributions", "Per-unit distributions", _distributions_html(store, groups, int(bins))),

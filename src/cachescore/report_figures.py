@@ -8,6 +8,8 @@ are byte-identical.
 * :func:`forest_svg` — value with its CI per encoder on an axis that starts where the metric's
   range starts (RI/MaRI [0, 1], CRoMa around 0, APD/nIPD with 0 = no degradation);
 * :func:`accuracy_curve_svg` — probe accuracy (mean ± replicate sd) per split, per encoder;
+* :func:`reliability_svg` — calibration reliability diagram with each encoder's ECE;
+* :func:`centre_bars_svg` — probe accuracy per centre per encoder;
 * :func:`ecdf_svg` — the ECDF of a CRoMa unit's margins with F0 (share ≤ 0) and the α-tail marked.
 """
 
@@ -22,7 +24,7 @@ matplotlib.use("Agg")  # headless: no display, no GUI toolkit
 import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
 import numpy as np  # noqa: E402
 
-__all__ = ["forest_svg", "accuracy_curve_svg", "ecdf_svg", "metric_axis"]
+__all__ = ["forest_svg", "accuracy_curve_svg", "reliability_svg", "centre_bars_svg", "ecdf_svg", "metric_axis"]
 
 plt.rcParams.update({"svg.hashsalt": "cachescore", "svg.fonttype": "none", "font.size": 9,
                      "axes.spines.top": False, "axes.spines.right": False})
@@ -76,21 +78,55 @@ def forest_svg(encoders, values, lows, highs, *, metric: str, title: str, best: 
     return _svg(fig)
 
 
-def accuracy_curve_svg(curves: dict, *, title: str) -> str:
+def accuracy_curve_svg(curves: dict, *, title: str, x=None) -> str:
     """``curves``: ``{encoder: (mean per split, sd per split)}``; split 0 = balanced, the last =
-    most confounded. Mean balanced accuracy with ± 1 sd over the replicates."""
+    most confounded; ``x``: the schedule's Cramér's V per split (else the split index). Mean
+    balanced accuracy with ± 1 sd over the replicates."""
     fig, ax = plt.subplots(figsize=(5.6, 3.0))
     for name, (mean, sd) in curves.items():
-        x = np.arange(len(mean))
-        ax.errorbar(x, mean, yerr=sd, marker="o", ms=4, capsize=2, lw=1.2, label=str(name))
-        ax.set_xticks(x, [str(i) for i in x])
-    ax.set_xlabel("split (0 = balanced → most confounded)")
+        xs = np.arange(len(mean)) if x is None or len(x) != len(mean) else np.asarray(x, dtype=float)
+        ax.errorbar(xs, mean, yerr=sd, marker="o", ms=4, capsize=2, lw=1.2, label=str(name))
+    ax.set_xlabel("split (0 = balanced → most confounded)" if x is None
+                  else "confounding of the training set (Cramér's V, centre × class)")
     ax.set_ylabel("balanced accuracy")
     ax.set_ylim(0.0, 1.02)
     ax.axhline(0.5, color="#8c959f", lw=0.8, ls=":")
     ax.legend(fontsize=8, frameon=False, ncol=2)
     ax.set_title(title, fontsize=9, loc="left")
     ax.grid(axis="y", color="#eaeef2", lw=0.6)
+    return _svg(fig)
+
+
+def reliability_svg(curves: dict, *, title: str) -> str:
+    """Reliability diagram: ``curves`` = ``{label: (mean confidence per bin, observed frequency per
+    bin, ECE)}``; the diagonal is perfect calibration."""
+    fig, ax = plt.subplots(figsize=(3.6, 3.2))
+    ax.plot([0, 1], [0, 1], color="#8c959f", lw=0.8, ls=":")
+    for name, (conf, freq, ece) in curves.items():
+        ax.plot(conf, freq, marker="o", ms=3, lw=1.1, label=f"{name} (ECE {ece:.3f})")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("mean confidence")
+    ax.set_ylabel("observed frequency")
+    ax.legend(fontsize=7, frameon=False)
+    ax.set_title(title, fontsize=9, loc="left")
+    return _svg(fig)
+
+
+def centre_bars_svg(table, *, title: str) -> str:
+    """Grouped bars: ``table`` a DataFrame, rows = centres, columns = encoders, mean balanced
+    accuracy of the probes on each centre."""
+    centres, encoders = list(table.index), list(table.columns)
+    fig, ax = plt.subplots(figsize=(max(3.6, 0.9 * len(centres) + 1.5), 2.8))
+    width = 0.8 / max(1, len(encoders))
+    for j, enc in enumerate(encoders):
+        ax.bar(np.arange(len(centres)) + j * width, table[enc].to_numpy(float), width, label=str(enc))
+    ax.set_xticks(np.arange(len(centres)) + 0.4 - width / 2, [str(c) for c in centres])
+    ax.set_ylim(0, 1.02)
+    ax.axhline(0.5, color="#8c959f", lw=0.8, ls=":")
+    ax.set_ylabel("balanced accuracy")
+    ax.legend(fontsize=7, frameon=False, ncol=2)
+    ax.set_title(title, fontsize=9, loc="left")
     return _svg(fig)
 
 

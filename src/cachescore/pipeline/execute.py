@@ -33,7 +33,7 @@ from .._version import package_versions
 from ..cache import Cache
 from ..cache.synthetic import make_demo_cache
 from ..neighbors.large_scope import remove_scratch
-from ..results import probe_table, publish_tables, score_table
+from ..results import probe_centre_table, probe_table, publish_tables, score_table
 from ..store import ResultsStore
 from .cluster import open_client
 from .plan import Plan, UnitKind, code_version, plan_job
@@ -303,14 +303,14 @@ def run_job(job, *, scheduler: str | None = None, out: TextIO | None = sys.stder
 
 
 def build_results(plan: Plan, store) -> tuple:
-    """``(scores, probe)``: the tidy tables of the plan's current records (:mod:`cachescore.results`
+    """``(scores, probe, probe_centres)``: the tidy tables of the plan's current records (:mod:`cachescore.results`
     with the job's ``[metrics] bootstrap`` and ``[report] min_support``). Records the store lacks
     are left out; nothing is written."""
     job = plan.job
     fps = plan.record_fingerprints()
     scores = score_table(store, Cache(job.cache), fps, bootstrap=job.metrics.get("bootstrap"),
                          min_support=float(job.report.get("min_support", 0.5)))
-    return scores, probe_table(store, fps)
+    return scores, probe_table(store, fps), probe_centre_table(store, fps)
 
 
 def publish_results(plan: Plan, store, *, out: TextIO | None = None) -> dict:
@@ -319,8 +319,8 @@ def publish_results(plan: Plan, store, *, out: TextIO | None = None) -> dict:
     Returns ``{"scores": path, "probe": path}``, or ``{}`` when a table could not be built (the
     reason is printed; the stored records are untouched and the next run tries again)."""
     try:
-        scores, probe = build_results(plan, store)
-        return {k: str(v) for k, v in publish_tables(store.path, scores, probe).items()}
+        scores, probe, centres = build_results(plan, store)
+        return {k: str(v) for k, v in publish_tables(store.path, scores, probe, centres).items()}
     except (ValueError, OSError, KeyError) as exc:  # KeyError: CorruptRecordError (a record to recompute)
         _say(out, f"results tables not written: {type(exc).__name__}: {exc}")
         return {}

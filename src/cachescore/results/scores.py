@@ -12,7 +12,9 @@ Uncertainty comes from the stored per-unit values, never from a new neighbour se
   of croma's paired helpers;
 * **APD**: the percentile interval of the per-replicate drops ``mean_s(acc[s, r] / acc[0, r]) - 1``
   over the probe replicates (not a cluster bootstrap: the replicates are the sweep's own
-  repetitions); **nIPD**: not available yet (NaN, ``ci_method`` says so).
+  repetitions); **nIPD**: likewise over the per-replicate nIPD (the schedule's Cramér's V and the
+  chance level from the unit's evaluation bundle; NaN with ``ci_method`` saying why otherwise).
+  Probe rows carry the bundle's warning when most probes selected the grid's smallest C.
 
 Draws: PCG64 ``default_rng(seed)``, ``integers(0, K, K)`` per replicate, taken once per (view,
 design) on the caller (the draw depends only on the seed and the view's groups), so every
@@ -40,8 +42,11 @@ from ..metrics.bootstrap import (
     pooled_ratio_replicates,
     rank_summary,
 )
+from ..probe.reductions import nipd
+from .bundles import BundleFacts, bundle_facts
 
-__all__ = ["SCORE_COLUMNS", "PROBE_COLUMNS", "BOOTSTRAP_DEFAULTS", "score_entries", "score_table", "probe_table"]
+__all__ = ["SCORE_COLUMNS", "PROBE_COLUMNS", "CENTRE_COLUMNS", "BOOTSTRAP_DEFAULTS", "score_entries", "score_table",
+           "probe_table", "probe_centre_table"]
 
 #: Columns of the tidy score table, in order (``<store>/scores.parquet``; README "Reading results").
 SCORE_COLUMNS = (
@@ -141,17 +146,38 @@ def _metric_entry(fp: str, record: dict, store, views: _Views, bootstrap: dict, 
                   low_support=metric in ("ri", "mari") and math.isfinite(support) and support < min_support)
 
 
-def _probe_entry(fp: str, record: dict, bootstrap: dict) -> dict:
+def _nipd_replicates(acc: np.ndarray, facts: BundleFacts) -> np.ndarray | None:
+    """nIPD of every replicate column (the schedule's Cramér's V and the chance level come from
+    the bundle); None when they are not available. A replicate whose nIPD is undefined is NaN."""
+    if facts.cramers_v is None or facts.chance is None or len(facts.cramers_v) != acc.shape[0]:
+        return None
+    out = np.full(acc.shape[1], np.nan)
+    for r in range(acc.shape[1]):  # one tiny matrix per replicate (a sweep has tens of replicates)
+        try:
+            out[r] = nipd(np.ascontiguousarray(acc[:, r : r + 1]), facts.cramers_v, facts.chance)
+        except ValueError:
+            pass
+    return out
+
+
+def _probe_entry(fp: str, record: dict, bootstrap: dict, facts: BundleFacts) -> dict:
     reps, method = None, ""
     matrix = record.get("matrix")
     acc = np.asarray(matrix, dtype=np.float64) if matrix is not None else None
-    if record.get("metric") == "apd" and acc is not None and acc.ndim == 2 and acc.shape[0] >= 2 and (acc[0] > 0).all():
+    ok = acc is not None and acc.ndim == 2 and acc.shape[0] >= 2
+    if record.get("metric") == "apd" and ok and (acc[0] > 0).all():
         reps = (acc[1:] / acc[0]).mean(axis=0) - 1  # the per-replicate drops APD averages
         method = "percentile over probe replicates"
+    elif record.get("metric") == "nipd" and ok and (reps := _nipd_replicates(acc, facts)) is not None:
+        method = "percentile over probe replicates (per-replicate nIPD)"
     else:
-        method = "not available for this reduction yet"
+        reps, method = None, "not available: the bundle's Cramér's V / chance level could not be read"
     reason = "" if math.isfinite(_num(record.get("value"))) else "the value is not finite"
-    return _entry(record, fp, reps, method, bootstrap, reason=reason, low_support=False)
+    entry = _entry(record, fp, reps, method, bootstrap, reason=reason, low_support=False)
+    warn = facts.smallest_c_warning
+    if warn:
+        entry["warnings"] = "\n".join(w for w in (warn, entry["warnings"]) if w)
+    return entry
 
 
 def _entry(record: dict, fp: str, reps, method: str, bootstrap: dict, *, reason: str, low_support: bool) -> dict:
@@ -225,13 +251,17 @@ def score_entries(store, cache, fingerprints: Iterable[str], *, bootstrap: dict 
     interval). What :func:`score_table` and :func:`~.compare.compare_encoders` build on."""
     bootstrap = dict(BOOTSTRAP_DEFAULTS, **(bootstrap or {}))
     views = _Views(cache, bootstrap)
+    facts: dict = {}
     entries = []
     for fp in dict.fromkeys(fingerprints):
         record = store.record(fp)
         if record is None:
             continue
         if record.get("design") == "probe":
-            entries.append(_probe_entry(fp, record, bootstrap))
+            bundle = record.get("bundle")
+            if bundle not in facts:
+                facts[bundle] = bundle_facts(bundle)
+            entries.append(_probe_entry(fp, record, bootstrap, facts[bundle]))
         else:
             entries.append(_metric_entry(fp, record, store, views, bootstrap, float(min_support)))
     return entries
@@ -285,6 +315,32 @@ def probe_table(store, fingerprints: Iterable[str]) -> pd.DataFrame:
         df[c] = pd.array([None if v is None or (isinstance(v, float) and math.isnan(v)) else int(v) for v in df[c]],
                          dtype="Int64")
     return df
+
+
+#: Columns of the per-centre probe table (``<store>/probe_centres.parquet``).
+CENTRE_COLUMNS = ("encoder", "view", "centre", "role", "role_kind", "split", "replicate", "n", "balanced_accuracy",
+                  "accuracy", "ece_raw", "ece_calibrated", "unit_fingerprint")
+
+
+def probe_centre_table(store, fingerprints: Iterable[str]) -> pd.DataFrame:
+    """One row per (probe, role, centre) of the stored probe units' bundles (columns
+    :data:`CENTRE_COLUMNS`): how every probe scores on each centre, in-domain and unseen."""
+    frames, seen = [], set()
+    for fp in dict.fromkeys(fingerprints):
+        record = store.record(fp)
+        if record is None or record.get("design") != "probe" or record.get("bundle") in seen:
+            continue
+        seen.add(record.get("bundle"))
+        table = bundle_facts(record.get("bundle")).per_centre
+        if table is None or not len(table):
+            continue
+        t = table.assign(encoder=record.get("encoder"), view=record.get("view"),
+                         unit_fingerprint=record.get("unit_fingerprint"))
+        t["centre"] = t["centre"].astype(str)
+        frames.append(t[[c for c in CENTRE_COLUMNS if c in t.columns]])
+    if not frames:
+        return pd.DataFrame({c: pd.Series(dtype="object") for c in CENTRE_COLUMNS})
+    return pd.concat(frames, ignore_index=True).reindex(columns=list(CENTRE_COLUMNS))
 
 
 def scores_json(df: pd.DataFrame) -> str:

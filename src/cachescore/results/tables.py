@@ -12,11 +12,12 @@ import pyarrow.parquet as pq
 
 from ..store.atomic import atomic_write, atomic_write_bytes
 
-__all__ = ["SCORES_FILE", "PROBE_FILE", "EXPORT_FORMATS", "publish_tables", "export_tables", "read_scores"]
+__all__ = ["SCORES_FILE", "PROBE_FILE", "CENTRES_FILE", "EXPORT_FORMATS", "publish_tables", "export_tables", "read_scores"]
 
 #: File names of the tidy tables in a results store.
 SCORES_FILE = "scores.parquet"
 PROBE_FILE = "probe.parquet"
+CENTRES_FILE = "probe_centres.parquet"
 #: Formats ``cachescore export`` writes.
 EXPORT_FORMATS = ("parquet", "csv", "json")
 
@@ -26,11 +27,16 @@ def _write_parquet(path: Path, df: pd.DataFrame) -> Path:
     return atomic_write(path, lambda fh: pq.write_table(table, fh))
 
 
-def publish_tables(store_path, scores: pd.DataFrame, probe: pd.DataFrame) -> dict[str, Path]:
-    """Write ``scores`` and ``probe`` to ``<store>/scores.parquet`` / ``probe.parquet``, each by an
-    atomic rename (a reader sees the old table or the new one, never a partial file)."""
+def publish_tables(store_path, scores: pd.DataFrame, probe: pd.DataFrame,
+                   centres: pd.DataFrame | None = None) -> dict[str, Path]:
+    """Write ``scores``, ``probe`` (and ``centres``) to ``<store>/scores.parquet``,
+    ``probe.parquet`` and ``probe_centres.parquet``, each by an atomic rename (a reader sees the old
+    table or the new one, never a partial file)."""
     root = Path(store_path)
-    return {"scores": _write_parquet(root / SCORES_FILE, scores), "probe": _write_parquet(root / PROBE_FILE, probe)}
+    out = {"scores": _write_parquet(root / SCORES_FILE, scores), "probe": _write_parquet(root / PROBE_FILE, probe)}
+    if centres is not None:
+        out["probe_centres"] = _write_parquet(root / CENTRES_FILE, centres)
+    return out
 
 
 def read_scores(store_path) -> pd.DataFrame:
@@ -42,16 +48,21 @@ def read_scores(store_path) -> pd.DataFrame:
     return pd.read_parquet(path)
 
 
-def export_tables(scores: pd.DataFrame, probe: pd.DataFrame, out, *, fmt: str = "parquet") -> list[Path]:
-    """Write both tables next to ``out``: ``<out>`` gets the scores, ``<stem>.probe<suffix>`` the
-    probe accuracies (``fmt``: parquet, csv or json records). Returns the paths written; every
-    file is written atomically. Raises ``ValueError`` for an unknown format."""
+def export_tables(scores: pd.DataFrame, probe: pd.DataFrame, out, *, fmt: str = "parquet",
+                  centres: pd.DataFrame | None = None) -> list[Path]:
+    """Write the tables next to ``out``: ``<out>`` gets the scores, ``<stem>.probe<suffix>`` the
+    probe accuracies, ``<stem>.probe_centres<suffix>`` the per-centre probe metrics (``fmt``:
+    parquet, csv or json records). Returns the paths written; every file is written atomically.
+    Raises ``ValueError`` for an unknown format."""
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; expected one of {', '.join(EXPORT_FORMATS)}")
     out = Path(out)
-    probe_out = out.with_name(f"{out.stem}.probe{out.suffix or '.' + fmt}")
+    suffix = out.suffix or "." + fmt
+    pairs = [(scores, out), (probe, out.with_name(f"{out.stem}.probe{suffix}"))]
+    if centres is not None:
+        pairs.append((centres, out.with_name(f"{out.stem}.probe_centres{suffix}")))
     written = []
-    for df, path in ((scores, out), (probe, probe_out)):
+    for df, path in pairs:
         if fmt == "parquet":
             _write_parquet(path, df)
         elif fmt == "csv":
