@@ -113,6 +113,8 @@ def test_demo_job_ranks_encoders_as_constructed(tmp_path, capsys, monkeypatch):
     pd.testing.assert_frame_equal(exported, published)
     assert len(pd.read_csv(tmp_path / "export" / "scores.csv")) == 40
     assert len(json.loads((tmp_path / "export" / "scores.json").read_text())) == 40
+    assert main(["prune", str(job_path)]) == 0
+    assert "would remove 0 stale record(s) and 0 abandoned failure(s)" in capsys.readouterr().out
     assert main(["report", str(job_path)]) == 0
     html_text = (job.store / "report.html").read_text(encoding="utf-8")
     assert "APD · view centre_all · design probe · matrix centre_C" in html_text

@@ -421,7 +421,9 @@ def _leaderboard_html(groups: list[dict]) -> str:
     out = []
     for gi, g in enumerate(groups):
         rows: pd.DataFrame = g["rows"]
-        shown = [(c, h) for c, h in LEADERBOARD_COLUMNS if c in rows.columns and not rows[c].map(_missing).all()]
+        # std is the spread over a paired design's subsets: always 0 under ``all``, so not shown there
+        shown = [(c, h) for c, h in LEADERBOARD_COLUMNS if c in rows.columns and not rows[c].map(_missing).all()
+                 and not (c == "std" and g["key"][1] == "all")]
         alpha = {_params(p).get("alpha") for p in rows["params"]} - {None}
         finite = rows["value"].to_numpy(dtype=float)
         finite = finite[np.isfinite(finite)]

@@ -51,7 +51,7 @@ __all__ = ["SCORE_COLUMNS", "PROBE_COLUMNS", "CENTRE_COLUMNS", "BOOTSTRAP_DEFAUL
 #: Columns of the tidy score table, in order (``<store>/scores.parquet``; README "Reading results").
 SCORE_COLUMNS = (
     "encoder", "view", "design", "scope", "metric", "m", "value", "ci_low", "ci_high", "ci_level", "n_boot",
-    "ci_method", "support", "defined", "undefined_reason", "low_support", "rank", "rank_low", "rank_high",
+    "ci_seed", "ci_method", "support", "defined", "undefined_reason", "low_support", "rank", "rank_low", "rank_high",
     "mean_rank", "n_ranked", "recall", "n_units", "n_defined", "k", "tau", "f0", "q_alpha", "ltm_alpha", "backend",
     "warnings", "fingerprint", "code_version", "finished_at",
 )
@@ -62,7 +62,7 @@ PROBE_COLUMNS = ("encoder", "view", "test_set", "split", "replicate", "replicate
 #: ``[metrics] bootstrap`` defaults (spec §8.2).
 BOOTSTRAP_DEFAULTS = {"n_boot": 2000, "level": 0.95, "seed": 0}
 
-_INT_COLUMNS = ("m", "n_boot", "rank", "rank_low", "rank_high", "n_ranked", "n_units", "n_defined", "k")
+_INT_COLUMNS = ("m", "n_boot", "ci_seed", "rank", "rank_low", "rank_high", "n_ranked", "n_units", "n_defined", "k")
 _FLOAT_COLUMNS = ("value", "ci_low", "ci_high", "ci_level", "support", "mean_rank", "recall", "tau", "f0",
                   "q_alpha", "ltm_alpha")
 
@@ -194,6 +194,7 @@ def _entry(record: dict, fp: str, reps, method: str, bootstrap: dict, *, reason:
         "scope": record.get("scope") if record.get("design") == "probe" else None,
         "metric": record.get("metric"), "m": None if m is None or (isinstance(m, float) and math.isnan(m)) else int(m),
         "value": value, "ci_low": lo, "ci_high": hi, "ci_level": float(bootstrap["level"]), "n_boot": n_boot,
+        "ci_seed": int(bootstrap["seed"]) if reps is not None and record.get("design") != "probe" else None,
         "ci_method": method, "support": _num(record.get("support")), "defined": not reason,
         "undefined_reason": reason, "low_support": bool(low_support and not reason),
         "recall": _num(record.get("recall")), "n_units": record.get("n_units"), "n_defined": record.get("n_defined"),
