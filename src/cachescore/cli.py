@@ -35,6 +35,7 @@ import pandas as pd
 
 from .cache import Cache, import_cache, verify_cache
 from .jobs import describe_schema, load_job
+from .jobs.schema import CLUSTER_KINDS
 from ._jsonsafe import json_safe
 from .pipeline import plan_job, run_job, unit_status
 from .pipeline.execute import build_results
@@ -180,7 +181,7 @@ def _leaderboard(scores) -> str:
 def _cmd_run(args) -> int:
     job = load_job(args.job)
     out = None if args.quiet else sys.stderr
-    summary = run_job(job, scheduler=args.scheduler, out=out)
+    summary = run_job(job, scheduler=args.scheduler, out=out, cluster=getattr(args, "cluster", None))
     print(f"run {summary.run_id}: {summary.planned} units, executed {summary.executed}, "
           f"skipped {summary.skipped} (up to date), succeeded {summary.succeeded}, failed {len(summary.failures)} "
           f"in {summary.seconds:.1f}s")
@@ -303,6 +304,7 @@ def _cmd_export(args) -> int:
 
 def _cmd_watch(args) -> int:
     polls = watch_job(args.job, interval=args.interval, max_runs=args.max_runs, scheduler=args.scheduler,
+                      cluster=args.cluster,
                       out=sys.stderr, progress=not args.quiet)
     failed = sum(len(p.summary.failures) for p in polls if p.summary is not None)
     runs = [p for p in polls if p.summary is not None]
@@ -366,6 +368,16 @@ def _cmd_schema(args) -> int:
     return 0
 
 
+def _where(parser) -> None:
+    """``--scheduler ADDR`` | ``--cluster KIND`` (exclusive): where the run's workers are."""
+    g = parser.add_mutually_exclusive_group()
+    g.add_argument("--scheduler", default=None, help="address of a running Dask scheduler (tcp://host:port); "
+                                                     "default: the job's [cluster] (a LocalCluster on 127.0.0.1)")
+    g.add_argument("--cluster", default=None, choices=list(CLUSTER_KINDS),
+                   help="start the workers here: local, slurm / pbs (worker jobs via dask-jobqueue, adaptive) or "
+                        "kubernetes (dask-kubernetes operator); settings in the job's [cluster] table")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cachescore", description="Robustness scoring of embedding caches on Dask.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -373,8 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", aliases=["rescore"],
                        help="score every pending work unit of a job (only what is new or changed)")
     r.add_argument("job", help="job file (TOML)")
-    r.add_argument("--scheduler", default=None, help="address of a running Dask scheduler (tcp://host:port); "
-                                                     "default: a LocalCluster on 127.0.0.1")
+    _where(r)
     r.add_argument("-q", "--quiet", action="store_true", help="no progress bar or leaderboard")
     r.set_defaults(func=_cmd_run)
 
@@ -414,7 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--interval", type=float, default=300.0, help="seconds between polls (default 300)")
     w.add_argument("--max-runs", type=int, default=None, metavar="N",
                    help="stop after N polls (each runs the job at most once); default: forever")
-    w.add_argument("--scheduler", default=None, help="address of a running Dask scheduler (default: LocalCluster)")
+    _where(w)
     w.add_argument("-q", "--quiet", action="store_true", help="no per-unit progress (the poll lines still print)")
     w.set_defaults(func=_cmd_watch)
 

@@ -151,6 +151,32 @@ def _non_empty(v):
 
 _NUM = (int, float)
 
+#: ``[cluster] kind`` values.
+CLUSTER_KINDS = ("local", "slurm", "pbs", "kubernetes")
+
+
+def _batch_keys(system: str, *, queue_doc: str, directive: str) -> dict:
+    """The keys a batch-system section shares (they map onto dask-jobqueue's cluster arguments)."""
+    return {
+        "queue": Key((str,), "", queue_doc),
+        "account": Key((str,), "", f"{system} account / project to charge; empty = none."),
+        "cores": Key((int,), 1, "Cores per worker job (one thread per worker process).", _positive_int),
+        "processes": Key((int,), 1, "Dask worker processes per job (each gets cores / processes threads; keep them "
+                                    "equal for one thread per process).", _positive_int),
+        "memory": Key((str,), "4GiB", "Memory per worker job, e.g. '16GiB'.", _non_empty),
+        "walltime": Key((str,), "01:00:00", "Walltime per worker job (HH:MM:SS); adaptive scaling replaces ended jobs.",
+                        _non_empty),
+        "job_extra_directives": Key((list,), [], f"Extra {directive} lines of the worker job script, e.g. "
+                                                 "['--exclusive'].", _str_list),
+        "worker_extra_args": Key((list,), [], "Extra arguments of the dask worker command.", _str_list),
+        "local_directory": Key((str,), "", "Worker scratch folder on the compute nodes; empty = the job's default."),
+        "interface": Key((str,), "", "Network interface the workers and the scheduler use (e.g. 'ib0'); empty = the "
+                                     "scheduler binds to scheduler_host."),
+        "scheduler_host": Key((str,), "", "Address the compute nodes reach the scheduler at; empty = this host's name."),
+        "python": Key((str,), "", "Python of the workers; empty = the interpreter running cachescore."),
+        "log_directory": Key((str,), "", "Folder for the worker jobs' stdout/stderr; empty = the job's working folder."),
+    }
+
 #: Every key of schema version 1: section -> key -> :class:`Key`. Nested sections use dotted names.
 SCHEMA: dict[str, dict[str, Key]] = {
     "job": {
@@ -215,6 +241,32 @@ SCHEMA: dict[str, dict[str, Key]] = {
                                 "distributed tasks over row chunks (worker memory bounded by chunk size); smaller "
                                 "scopes are searched inside their work unit.", _positive_int),
     },
+    "cluster": {
+        "kind": Key((str,), "local", "Where workers run: 'local' (a LocalCluster on 127.0.0.1, [execution] n_workers), "
+                                     "'slurm' / 'pbs' (worker jobs via dask-jobqueue) or 'kubernetes' (the "
+                                     "dask-kubernetes operator). The CLI's --cluster overrides it.", _one_of(CLUSTER_KINDS)),
+        "minimum_jobs": Key((int,), 0, "Adaptive scaling: fewest worker jobs (pods) kept while the run lasts.",
+                            _non_negative_int),
+        "maximum_jobs": Key((int,), 0, "Adaptive scaling: most worker jobs (pods); 0 = derived from the plan's "
+                                       "parallelism (its pending tasks / processes per job, at most 32).",
+                            _non_negative_int),
+    },
+    "cluster.slurm": _batch_keys("SLURM", queue_doc="Partition (#SBATCH -p); empty = the site's default.",
+                                 directive="#SBATCH"),
+    "cluster.pbs": {
+        **_batch_keys("PBS", queue_doc="Queue (#PBS -q); empty = the site's default.", directive="#PBS"),
+        "resource_spec": Key((str,), "", "PBS resource request (#PBS -l), e.g. 'select=1:ncpus=4:mem=16GB'; empty = "
+                                         "derived from cores and memory."),
+    },
+    "cluster.kubernetes": {
+        "image": Key((str,), "", "Worker and scheduler image (required for kind = 'kubernetes'), e.g. "
+                                 "'ghcr.io/org/cachescore:0.1.0' built from deploy/docker/Dockerfile."),
+        "namespace": Key((str,), "default", "Namespace of the DaskCluster resource."),
+        "name": Key((str,), "cachescore", "Name of the DaskCluster resource."),
+        "resources": Key((dict,), {}, "Container resources, e.g. {limits = {cpu = '1', memory = '4Gi'}}."),
+        "env": Key((dict,), {}, "Extra environment of the worker containers (the single-thread BLAS and "
+                                "NUMBA_CACHE_DIR settings are always set)."),
+    },
     "execution": {
         "scheduler": Key((str,), "", "Dask scheduler address (tcp://host:port); empty = a LocalCluster. "
                                      "The CLI's --scheduler overrides it."),
@@ -247,6 +299,9 @@ class Job:
     metrics: dict = field(default_factory=dict)
     neighbors: dict = field(default_factory=dict)
     execution: dict = field(default_factory=dict)
+    #: ``[cluster]``: ``kind``, ``minimum_jobs``, ``maximum_jobs`` and the per-kind tables
+    #: (``slurm``, ``pbs``, ``kubernetes``).
+    cluster: dict = field(default_factory=dict)
     #: ``[report]``: how stored scores are flagged (``min_support``).
     report: dict = field(default_factory=dict)
     #: The normalised document (all keys, defaults filled), as recorded in provenance.
@@ -387,6 +442,8 @@ def parse_job(doc: dict, *, path: str | Path | None = None) -> Job:
         neighbors=dict(full["neighbors"]),
         execution=dict(full["execution"]),
         report=dict(full["report"]),
+        cluster={**full["cluster"], "slurm": dict(full["cluster.slurm"]), "pbs": dict(full["cluster.pbs"]),
+                 "kubernetes": dict(full["cluster.kubernetes"])},
         document=document,
         probe=probe,
         bundles=resolve(jobs["bundles"]) if jobs["bundles"] else store / "bundles",

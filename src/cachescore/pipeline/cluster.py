@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import sys
 from collections.abc import Iterator
 
@@ -20,7 +21,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from .._threads import THREAD_ENV, single_thread_blas
 
-__all__ = ["SingleThreadBLAS", "open_client", "THREAD_ENV"]
+__all__ = ["SingleThreadBLAS", "open_client", "open_cluster_client", "batch_cluster_kwargs", "THREAD_ENV"]
 
 class SingleThreadBLAS(WorkerPlugin):
     """Worker plugin: one BLAS/OpenMP thread per worker process, one numba thread.
@@ -55,6 +56,79 @@ class SingleThreadBLAS(WorkerPlugin):
         limits = getattr(self, "_limits", None)
         if limits is not None:
             limits.restore_original_limits()
+
+
+def _worker_environment() -> dict:
+    """What every worker process starts with: single-thread BLAS/OpenMP/numba and a numba cache."""
+    numba_dir = os.environ.get("NUMBA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "cachescore-numba")
+    return {**THREAD_ENV, "NUMBA_CACHE_DIR": numba_dir}
+
+
+def batch_cluster_kwargs(kind: str, settings: dict) -> dict:
+    """dask-jobqueue arguments for ``kind`` (``"slurm"`` | ``"pbs"``) from the job's ``[cluster.<kind>]``
+    table: one thread per worker process (``cores`` shared by ``processes``), the worker environment
+    of :func:`_worker_environment` exported in the job script, this interpreter as the workers'
+    python, and the scheduler on an address the compute nodes reach (``interface``, else
+    ``scheduler_host``, else this host's name) with its dashboard on 127.0.0.1 (reach it through
+    an ssh tunnel)."""
+    c = settings
+    kwargs = {
+        "cores": int(c["cores"]), "processes": int(c["processes"]), "memory": c["memory"], "walltime": c["walltime"],
+        "job_extra_directives": list(c["job_extra_directives"]), "worker_extra_args": list(c["worker_extra_args"]),
+        "python": c["python"] or sys.executable,
+        "job_script_prologue": [f"export {k}={v}" for k, v in _worker_environment().items()],
+        "queue": c["queue"] or None, "account": c["account"] or None,
+        "local_directory": c["local_directory"] or None, "log_directory": c["log_directory"] or None,
+    }
+    if c["interface"]:
+        kwargs["interface"] = c["interface"]
+        kwargs["scheduler_options"] = {"interface": c["interface"], "dashboard_address": "127.0.0.1:0"}
+    else:
+        kwargs["scheduler_options"] = {"host": c["scheduler_host"] or socket.gethostname(),
+                                       "dashboard_address": "127.0.0.1:0"}
+    if kind == "pbs" and c.get("resource_spec"):
+        kwargs["resource_spec"] = c["resource_spec"]
+    return kwargs
+
+
+def _batch_cluster(kind: str, settings: dict):
+    # deferred: dask-jobqueue is only needed for batch clusters
+    from dask_jobqueue import PBSCluster, SLURMCluster
+
+    return (SLURMCluster if kind == "slurm" else PBSCluster)(**batch_cluster_kwargs(kind, settings))
+
+
+def _kubernetes_cluster(settings: dict):
+    try:
+        from dask_kubernetes.operator import KubeCluster  # deferred: the optional kubernetes extra
+    except ImportError as exc:
+        raise ValueError("[cluster] kind = 'kubernetes' needs the dask-kubernetes operator client: "
+                         "pip install 'cachescore[kubernetes]'") from exc
+    if not settings["image"]:
+        raise ValueError("[cluster.kubernetes] image is required for kind = 'kubernetes'")
+    env = {**_worker_environment(), **{str(k): str(v) for k, v in settings["env"].items()}}
+    return KubeCluster(name=settings["name"], namespace=settings["namespace"], image=settings["image"],
+                       resources=dict(settings["resources"]) or None, env=env, n_workers=0)
+
+
+@contextlib.contextmanager
+def open_cluster_client(cluster: dict, *, maximum_jobs: int) -> Iterator[Client]:
+    """Start the job's batch or Kubernetes cluster (``[cluster] kind`` = slurm | pbs | kubernetes),
+    scale it adaptively between ``minimum_jobs`` and ``maximum_jobs`` worker jobs, yield a Client.
+    Closing it cancels every worker job (none is left queued or running). Raises ``ValueError``
+    for a kind this function does not start (``local``) or a missing optional dependency."""
+    kind = cluster["kind"]
+    if kind in ("slurm", "pbs"):
+        deployment = _batch_cluster(kind, cluster[kind])
+    elif kind == "kubernetes":
+        deployment = _kubernetes_cluster(cluster["kubernetes"])
+    else:
+        raise ValueError(f"open_cluster_client starts slurm, pbs or kubernetes clusters, not {kind!r}")
+    with _scheduler_config_restored(), deployment:
+        deployment.adapt(minimum_jobs=int(cluster["minimum_jobs"]), maximum_jobs=max(1, int(maximum_jobs)))
+        with Client(deployment, set_as_default=False) as client:
+            client.register_plugin(SingleThreadBLAS())
+            yield client
 
 
 @contextlib.contextmanager

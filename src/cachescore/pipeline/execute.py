@@ -35,7 +35,7 @@ from ..cache.synthetic import make_demo_cache
 from ..neighbors.large_scope import remove_scratch
 from ..results import probe_centre_table, probe_table, publish_tables, score_table
 from ..store import ResultsStore
-from .cluster import open_client
+from .cluster import open_client, open_cluster_client
 from .plan import Plan, UnitKind, code_version, plan_job
 from .unit import drive_large_unit, run_probe_task, run_unit
 
@@ -215,12 +215,48 @@ def _hardware(client=None) -> dict:
     return info
 
 
+def plan_parallelism(plan: Plan) -> int:
+    """Tasks the plan's pending work can run at once: one per metric unit, one per probe replicate
+    × split, a few per large unit (its search batches); the bound of adaptive scaling."""
+    n = 0
+    for u in plan.pending:
+        if u.kind is UnitKind.PROBE and plan.job.probe is not None:
+            n += int(plan.job.probe.iterations) * len(plan.job.probe.resolved_schedule())
+        else:
+            n += 4 if u.kind is UnitKind.LARGE else 1
+    return max(1, n)
+
+
+def maximum_jobs(job, plan: Plan) -> int:
+    """``[cluster] maximum_jobs``, or (0) the plan's parallelism over the processes per job, at most 32."""
+    c = job.cluster
+    if int(c.get("maximum_jobs", 0)) > 0:
+        return int(c["maximum_jobs"])
+    per_job = int(c.get(c.get("kind"), {}).get("processes", 1)) if c.get("kind") in ("slurm", "pbs") else 1
+    return max(1, min(32, -(-plan_parallelism(plan) // max(1, per_job))))
+
+
+def _client_for(job, plan: Plan, scheduler: str | None, cluster_kind: str, processes: bool):
+    """The one place a run gets its client: an existing scheduler, a batch / Kubernetes cluster
+    scaled adaptively, or a LocalCluster."""
+    ex = job.execution
+    if scheduler:
+        return open_client(scheduler)
+    if cluster_kind != "local":
+        return open_cluster_client({**job.cluster, "kind": cluster_kind}, maximum_jobs=maximum_jobs(job, plan))
+    return open_client(None, n_workers=ex["n_workers"], memory_limit=ex["memory_limit"], dashboard=ex["dashboard"],
+                       processes=processes)
+
+
 def run_job(job, *, scheduler: str | None = None, out: TextIO | None = sys.stderr, processes: bool = True,
-            plan: Plan | None = None) -> RunSummary:
+            plan: Plan | None = None, cluster: str | None = None) -> RunSummary:
     """Score a job end to end (see module docstring). ``scheduler`` overrides ``[execution] scheduler``.
 
     ``plan`` is the job's plan when the caller already made one against the same store (the CLI
     plans once, to print it); by default the job is planned here, after the demo cache exists.
+    ``cluster`` (``local`` | ``slurm`` | ``pbs`` | ``kubernetes``) overrides ``[cluster] kind``; it
+    and ``scheduler`` are exclusive. The cluster starts only when units are pending (plan first,
+    then scale), so an up-to-date job requests no worker job.
 
     Returns a :class:`RunSummary` (with the ``plan`` it ran); it does not raise for failed units
     (they are in ``summary.failures`` and in the store). Raises for job-level problems: missing
@@ -268,14 +304,17 @@ def run_job(job, *, scheduler: str | None = None, out: TextIO | None = sys.stder
             "performance_report": summary.report_path,
             "tables": summary.tables,
             "dashboard": summary.dashboard,
+            "cluster": scheduler or kind,
             "seconds": time.perf_counter() - t0,
         })
 
+    kind = cluster or job.cluster.get("kind", "local")
+    if scheduler and kind != "local":
+        raise ValueError(f"{job.path or '<job>'}: --scheduler and --cluster {kind} are exclusive: give one")
     provenance("running")  # a run killed midway still leaves its provenance (state "running")
     if plan.pending:
-        with open_client(scheduler, n_workers=ex["n_workers"], memory_limit=ex["memory_limit"],
-                         dashboard=ex["dashboard"], processes=processes) as client:
-            summary.dashboard = client.dashboard_link if (scheduler or ex["dashboard"]) else None
+        with _client_for(job, plan, scheduler, kind, processes) as client:
+            summary.dashboard = client.dashboard_link if (scheduler or kind != "local" or ex["dashboard"]) else None
             if summary.dashboard:
                 _say(out, f"dashboard: {summary.dashboard}")
             hardware = _hardware(client)

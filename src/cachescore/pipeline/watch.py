@@ -64,6 +64,7 @@ def poll_job(job) -> tuple[list, list]:
 
 
 def watch_job(job_or_path, *, interval: float = 300.0, max_runs: int | None = None, scheduler: str | None = None,
+              cluster: str | None = None,
               out: TextIO | None = sys.stderr, progress: bool = True, run: Callable | None = None,
               sleep: Callable[[float], None] = time.sleep, **run_kwargs) -> list[WatchPoll]:
     """Poll the job's cache every ``interval`` seconds and run the job when there is new work.
@@ -78,6 +79,8 @@ def watch_job(job_or_path, *, interval: float = 300.0, max_runs: int | None = No
         Stop after this many polls (each poll runs the job at most once); None: forever.
     scheduler : str, optional
         Dask scheduler address for the runs (default: the job's, else a LocalCluster per run).
+    cluster : str, optional
+        ``[cluster] kind`` override for the runs (exclusive with ``scheduler``).
     out, progress : where the poll lines go; ``progress`` also sends each run's progress bar there.
     run : callable, optional
         Replaces :func:`~.execute.run_job` (same signature); ``run_kwargs`` are passed to it.
@@ -107,7 +110,7 @@ def watch_job(job_or_path, *, interval: float = 300.0, max_runs: int | None = No
                       + ", ".join(f"{c} {reason}" for reason, c in sorted(by_reason.items())) + ")")
             for r in new:
                 _say(out, f"  {r['reason']}: {r['label']}")
-            poll.summary = run(job, scheduler=scheduler, out=out if progress else None, **run_kwargs)
+            poll.summary = run(job, scheduler=scheduler, cluster=cluster, out=out if progress else None, **run_kwargs)
             s = poll.summary
             _say(out, f"[{stamp}] poll {n}: run {s.run_id} executed {s.executed}, succeeded {s.succeeded}, "
                       f"failed {len(s.failures)}")

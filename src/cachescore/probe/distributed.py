@@ -14,12 +14,30 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import dask
 import numpy as np
 
 from .._threads import single_thread_blas
 from .fit import ProbeOutcome, ProbeTask, fit_probe
 
-__all__ = ["run_probe_job", "run_probe_jobs"]
+__all__ = ["run_probe_job", "run_probe_jobs", "hold_arrays"]
+
+
+def _same(array):
+    return array
+
+
+def hold_arrays(client, arrays, run: str) -> list:
+    """One future per array, held by a task whose argument is the array itself.
+
+    Unlike ``client.scatter`` (whose data cannot be recomputed), the scheduler can rebuild such a
+    future when the worker holding it dies — a worker job cancelled or preempted mid-sweep (SLURM,
+    Kubernetes, adaptive scaling) then costs a recomputation, not the sweep. Dask moves the data
+    to the workers that need it (no broadcast to workers that come and go). Keys:
+    ``probe-data-<run>-<i>``.
+    """
+    with dask.config.set({"distributed.admin.large-graph-warning-threshold": "4GiB"}):  # the data is the point
+        return [client.submit(_same, a, key=f"probe-data-{run}-{i}", pure=False) for i, a in enumerate(arrays)]
 
 
 def run_probe_job(
@@ -65,8 +83,8 @@ def run_probe_jobs(
     """Fit every job's probe; returns the outcomes in ``jobs`` order.
 
     ``client=None`` runs a plain in-process loop. Otherwise ``client`` must be a
-    ``distributed.Client``: the data is scattered once to all workers and one task is submitted
-    per job (keys ``probe-<run>-r<replicate>-s<split>``); a task failure re-raises here.
+    ``distributed.Client``: the data is held by recomputable tasks (:func:`hold_arrays`) and one
+    task is submitted per job (keys ``probe-<run>-r<replicate>-s<split>``); a task failure re-raises here.
     """
     names = list(test_sets)
     flat_tests: list[np.ndarray] = [a for name in names for a in test_sets[name]]
@@ -76,7 +94,7 @@ def run_probe_jobs(
             for job in jobs
         ]
     run = uuid.uuid4().hex[:12]
-    scattered = client.scatter([features, labels, *flat_tests], broadcast=True, hash=False)
+    scattered = hold_arrays(client, [features, labels, *flat_tests], run)
     x_future, y_future, *test_futures = scattered
     futures: list = []
     try:

@@ -64,7 +64,7 @@ from .audit import (
     audit_sweep,
     combine_leakage,
 )
-from .distributed import run_probe_job
+from .distributed import hold_arrays, run_probe_job
 from .fit import C_GRID, IN_DOMAIN, balanced_accuracy
 from .plan import ProbePlan, _prepare
 from .plan import plan_sha256 as _hash
@@ -695,7 +695,7 @@ def _run_tasks(jobs, features, labels, row_centres, named_tests, test_centres, e
                 for job in jobs]
     run = uuid.uuid4().hex[:12]
     arrays = [features, labels, row_centres, *[a for a in flat if a is not None]]
-    scattered = client.scatter(arrays, broadcast=True, hash=False)
+    scattered = hold_arrays(client, arrays, run)
     x_f, y_f, c_f, *rest = scattered
     it = iter(rest)
     flat_f = [None if a is None else next(it) for a in flat]
