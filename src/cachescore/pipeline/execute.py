@@ -34,7 +34,7 @@ from ..cache import Cache
 from ..cache.synthetic import make_demo_cache
 from ..neighbors.large_scope import remove_scratch
 from ..results import probe_centre_table, probe_table, publish_tables, score_table
-from ..store import ResultsStore
+from ..store import CorruptRecordError, ResultsStore
 from .cluster import open_client, open_cluster_client
 from .plan import Plan, UnitKind, code_version, plan_job
 from .unit import drive_large_unit, run_probe_task, run_unit
@@ -360,6 +360,6 @@ def publish_results(plan: Plan, store, *, out: TextIO | None = None) -> dict:
     try:
         scores, probe, centres = build_results(plan, store)
         return {k: str(v) for k, v in publish_tables(store.path, scores, probe, centres).items()}
-    except (ValueError, OSError, KeyError) as exc:  # KeyError: CorruptRecordError (a record to recompute)
+    except (ValueError, OSError, CorruptRecordError) as exc:  # bad inputs or a damaged record: say so, go on
         _say(out, f"results tables not written: {type(exc).__name__}: {exc}")
         return {}
