@@ -195,3 +195,18 @@ def test_schema_documents_the_cluster_keys():
     for line in ("[cluster]", "  kind = 'local'", "[cluster.slurm]", "  job_extra_directives = []",
                  "[cluster.pbs]", "  resource_spec = ''", "[cluster.kubernetes]", "  image = ''"):
         assert line in text, line
+
+
+@slurm_only
+def test_self_resubmitting_rescore_runs_once_with_every_zero(slurm, tmp_path):
+    job = _job(tmp_path, "every")
+    env = {**os.environ, "CACHESCORE_JOB": str(job), "CACHESCORE_EVERY": "0",
+           "CACHESCORE_SELF": str(REPO / "deploy" / "slurm" / "rescore-every.sbatch"),
+           "CACHESCORE": str(Path(sys.executable).with_name("cachescore"))}
+    done = subprocess.run(["sbatch", "--wait", "--export=ALL", f"--output={tmp_path / 'every.log'}",
+                           str(REPO / "deploy" / "slurm" / "rescore-every.sbatch")], env=env, capture_output=True,
+                          text=True, timeout=600)
+    log = (tmp_path / "every.log").read_text() if (tmp_path / "every.log").exists() else ""
+    assert done.returncode == 0, done.stderr + log
+    assert "executed 28" in log and "Submitted batch job" not in log  # EVERY=0: not queued again
+    assert not [j for j in _squeue() if j[1] == "cachescore-rescore-every"]

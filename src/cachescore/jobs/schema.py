@@ -266,6 +266,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "resources": Key((dict,), {}, "Container resources, e.g. {limits = {cpu = '1', memory = '4Gi'}}."),
         "env": Key((dict,), {}, "Extra environment of the worker containers (the single-thread BLAS and "
                                 "NUMBA_CACHE_DIR settings are always set)."),
+        "data_claim": Key((str,), "", "PersistentVolumeClaim holding cache and store, mounted in the scheduler and "
+                                      "worker pods at data_mount; empty = none."),
+        "data_mount": Key((str,), "/data", "Mount path of data_claim (the job's cache and store paths live under it)."),
     },
     "execution": {
         "scheduler": Key((str,), "", "Dask scheduler address (tcp://host:port); empty = a LocalCluster. "

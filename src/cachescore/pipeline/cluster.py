@@ -21,7 +21,8 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from .._threads import THREAD_ENV, single_thread_blas
 
-__all__ = ["SingleThreadBLAS", "open_client", "open_cluster_client", "batch_cluster_kwargs", "THREAD_ENV"]
+__all__ = ["SingleThreadBLAS", "open_client", "open_cluster_client", "batch_cluster_kwargs", "kubernetes_manifests",
+           "THREAD_ENV"]
 
 class SingleThreadBLAS(WorkerPlugin):
     """Worker plugin: one BLAS/OpenMP thread per worker process, one numba thread.
@@ -98,17 +99,49 @@ def _batch_cluster(kind: str, settings: dict):
     return (SLURMCluster if kind == "slurm" else PBSCluster)(**batch_cluster_kwargs(kind, settings))
 
 
-def _kubernetes_cluster(settings: dict):
+#: NUMBA_CACHE_DIR inside the container image (deploy/docker/Dockerfile warms it at build time).
+CONTAINER_NUMBA_CACHE = "/opt/numba-cache"
+
+
+def kubernetes_manifests(cluster: dict) -> list[dict]:
+    """The dask-kubernetes operator resources of a job's ``[cluster]`` table: a ``DaskCluster``
+    (``make_cluster_spec``: scheduler and worker pods from ``[cluster.kubernetes]`` image,
+    resources and env; workers with one thread, the single-thread BLAS environment and the image's
+    warmed numba cache) and a ``DaskAutoscaler`` between ``minimum_jobs`` and ``maximum_jobs``
+    pods (0 = 8). ``deploy/kubernetes/daskcluster.yaml`` is this function's output for
+    ``deploy/kubernetes/job.toml`` (tested). Raises ``ValueError`` without an image, or when the
+    optional dask-kubernetes is missing."""
+    k8s = cluster["kubernetes"]
+    if not k8s["image"]:
+        raise ValueError("[cluster.kubernetes] image is required for kind = 'kubernetes'")
     try:
-        from dask_kubernetes.operator import KubeCluster  # deferred: the optional kubernetes extra
+        from dask_kubernetes.operator import make_cluster_spec  # deferred: the optional kubernetes extra
     except ImportError as exc:
         raise ValueError("[cluster] kind = 'kubernetes' needs the dask-kubernetes operator client: "
                          "pip install 'cachescore[kubernetes]'") from exc
-    if not settings["image"]:
-        raise ValueError("[cluster.kubernetes] image is required for kind = 'kubernetes'")
-    env = {**_worker_environment(), **{str(k): str(v) for k, v in settings["env"].items()}}
-    return KubeCluster(name=settings["name"], namespace=settings["namespace"], image=settings["image"],
-                       resources=dict(settings["resources"]) or None, env=env, n_workers=0)
+    env = {**THREAD_ENV, "NUMBA_CACHE_DIR": CONTAINER_NUMBA_CACHE, **{str(k): str(v) for k, v in k8s["env"].items()}}
+    spec = make_cluster_spec(name=k8s["name"], image=k8s["image"], n_workers=int(cluster["minimum_jobs"]),
+                             resources=dict(k8s["resources"]) or None, env=env)
+    spec["metadata"]["namespace"] = k8s["namespace"]
+    spec["spec"]["worker"]["spec"]["containers"][0]["args"] += ["--nthreads", "1"]
+    for role in ("scheduler", "worker"):
+        pod = spec["spec"][role]["spec"]
+        pod["securityContext"] = {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000}  # the image's user
+        if k8s["data_claim"]:  # the cache and the store, shared by every pod
+            pod["volumes"] = [{"name": "data", "persistentVolumeClaim": {"claimName": k8s["data_claim"]}}]
+            pod["containers"][0]["volumeMounts"] = [{"name": "data", "mountPath": k8s["data_mount"]}]
+    autoscaler = {"apiVersion": "kubernetes.dask.org/v1", "kind": "DaskAutoscaler",
+                  "metadata": {"name": k8s["name"], "namespace": k8s["namespace"]},
+                  "spec": {"cluster": k8s["name"], "minimum": int(cluster["minimum_jobs"]),
+                           "maximum": int(cluster["maximum_jobs"]) or 8}}
+    return [spec, autoscaler]
+
+
+def _kubernetes_cluster(cluster: dict):
+    from dask_kubernetes.operator import KubeCluster  # deferred: the optional kubernetes extra
+
+    spec = kubernetes_manifests(cluster)[0]
+    return KubeCluster(custom_cluster_spec=spec, namespace=cluster["kubernetes"]["namespace"])
 
 
 @contextlib.contextmanager
@@ -121,7 +154,7 @@ def open_cluster_client(cluster: dict, *, maximum_jobs: int) -> Iterator[Client]
     if kind in ("slurm", "pbs"):
         deployment = _batch_cluster(kind, cluster[kind])
     elif kind == "kubernetes":
-        deployment = _kubernetes_cluster(cluster["kubernetes"])
+        deployment = _kubernetes_cluster(cluster)
     else:
         raise ValueError(f"open_cluster_client starts slurm, pbs or kubernetes clusters, not {kind!r}")
     with _scheduler_config_restored(), deployment:
