@@ -3,6 +3,7 @@ process, fresh stores each; prints wall seconds and the ratio (the SLURM overhea
 
     bash deploy/slurm/dev-cluster.sh          # a one-node SLURM here (root)
     python benchmarks/cluster_overhead.py     # the demo job; --job JOB for another one
+    python benchmarks/cluster_overhead.py --scale-rows 100000   # a 100k x 768 scale view (ri, mari, croma; ann)
 
 Checks that both runs store the same values.
 """
@@ -22,15 +23,28 @@ def _job_file(src: Path, folder: Path, store: str) -> Path:
     text = src.read_text()
     text = text.replace('cache = "../demo-cache"', f'cache = "{folder / "cache"}"').replace(
         'store = "../results/demo"', f'store = "{folder / store}"')
-    text += '\n[cluster]\nmaximum_jobs = 2\nminimum_jobs = 2\n[cluster.slurm]\nmemory = "3GiB"\nwalltime = "00:30:00"\n'
+    text += '\n[cluster]\nmaximum_jobs = 2\nminimum_jobs = 2\n[cluster.slurm]\nmemory = "5GiB"\nwalltime = "00:30:00"\n'
     path = folder / f"{store}.toml"
     path.write_text(text)
+    return path
+
+
+def _scale_job(folder: Path, rows: int) -> Path:
+    """A job over ``make_scale_cache`` (rows × 768, view scale_all, ann backend) in ``folder``."""
+    from cachescore.cache.synthetic import make_scale_cache
+
+    make_scale_cache(folder / "cache", rows=rows, dim=768)
+    path = folder / "scale.toml"
+    path.write_text('schema_version = 1\n[job]\ncache = "../demo-cache"\nstore = "../results/demo"\n'
+                    'views = ["scale_all"]\n[neighbors]\nbackend = "ann"\n'
+                    '[execution]\nn_workers = 2\ndashboard = false\nperformance_report = false\n')
     return path
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--job", default=str(REPO / "jobs" / "demo.toml"))
+    ap.add_argument("--scale-rows", type=int, default=0, help="score a make_scale_cache view of this many rows")
     args = ap.parse_args(argv)
     from cachescore.jobs import load_job
     from cachescore.pipeline import run_job
@@ -38,10 +52,12 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
+        if args.scale_rows:
+            args.job = str(_scale_job(folder, args.scale_rows))
         times, values = {}, {}
         for kind in ("local", "slurm"):
             job = load_job(_job_file(Path(args.job), folder, kind))
-            if kind == "local":
+            if kind == "local" and not args.scale_rows:
                 run_job(job, out=None)  # synthesise the cache and warm the imports once
                 job = load_job(_job_file(Path(args.job), folder, "local2"))
             t = time.perf_counter()

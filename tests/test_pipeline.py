@@ -694,3 +694,15 @@ def test_prune_lists_then_removes_what_no_current_fingerprint_names(tmp_path, de
     assert store.failure_fingerprints() == set() and len(list((job.store / "units").glob("*/.*.parquet"))) == 8
     assert run(job).executed == 0  # the current results are intact
     assert prune_store(plan_job(job, store=store), store).stale_records == []
+
+
+def test_tables_are_written_even_for_records_without_units_to_resample(tmp_path, demo_cache):
+    """fake_score's per-unit tables lack source_index / subset (not result_record's): the scores
+    table still lists them, with no interval and the reason in ci_method."""
+    job = make_job(tmp_path, demo_cache, job={"encoders": ["enc0"], "views": ["centre_all"]},
+                   metrics={"families": ["ri"]})
+    summary = run(job)
+    assert summary.ok and summary.tables
+    df = pd.read_parquet(job.store / "scores.parquet")
+    assert len(df) == 1 and df["ci_low"].isna().all() and df["defined"].all()
+    assert df["ci_method"].iloc[0] == "not available: the per-unit table lacks source_index, subset"

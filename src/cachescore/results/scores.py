@@ -124,6 +124,12 @@ def _fallback_reason(metric: str, record: dict, per_unit: pd.DataFrame, frame: p
 def _metric_entry(fp: str, record: dict, store, views: _Views, bootstrap: dict, min_support: float) -> dict:
     metric, view, design = record.get("metric"), record.get("view"), record.get("design")
     per_unit = store.per_unit(fp)
+    missing = [c for c in ("source_index", "subset", "value") if c not in per_unit.columns]
+    if missing:  # a record written by something else than result_record: no units to resample
+        support = _num(record.get("support"))
+        return _entry(record, fp, None, f"not available: the per-unit table lacks {', '.join(missing)}", bootstrap,
+                      reason="" if math.isfinite(_num(record.get("value"))) else "the value is not finite",
+                      low_support=metric in ("ri", "mari") and math.isfinite(support) and support < min_support)
     frame, confounder = views.frame(view)
     rows = per_unit["source_index"].to_numpy(dtype=np.int64)
     groups = frame["group_id"].astype(str).to_numpy()[rows]
