@@ -65,6 +65,8 @@ def test_croma_intervals_and_ranks_equal_croma_bootstrap(demo):
         assert (r.rank, r.rank_low, r.rank_high) == (rs.point_rank[r.encoder], rs.rank_lo[r.encoder],
                                                       rs.rank_hi[r.encoder])
         assert r.mean_rank == pytest.approx(rs.mean_rank[r.encoder], abs=0)
+        wins = __import__("json").loads(r.win_fractions)
+        assert wins == {b: rs.pairwise_win[(r.encoder, b)] for b in values if b != r.encoder}
 
 
 def _reference_ratio_ci(so, os_, groups, n_boot, level, seed, point):

@@ -21,6 +21,10 @@ design) on the caller (the draw depends only on the seed and the view's groups),
 encoder of a view is resampled identically: the rank interval of an encoder is read off the same
 replicates (``paired_rank_stability`` semantics for CRoMa).
 
+Rank columns: ``rank`` (point ranking among the defined rows), ``rank_low``/``rank_high`` and
+``mean_rank`` over the shared replicates, ``win_fractions`` (JSON ``{other encoder: share of
+replicates in which this one scores strictly higher}``, croma's ``pairwise_win``).
+
 Flags: ``defined`` is false when the stored value is a fallback (RI/MaRI: support 0, or a scope
 with a single confounder value or a single label; any non-finite value); ``undefined_reason``
 says which. ``low_support``: RI/MaRI support below ``min_support``. Undefined rows are never
@@ -29,6 +33,7 @@ ranked (``rank`` null); low-support rows are ranked and flagged.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable
 
@@ -52,7 +57,7 @@ __all__ = ["SCORE_COLUMNS", "PROBE_COLUMNS", "CENTRE_COLUMNS", "BOOTSTRAP_DEFAUL
 SCORE_COLUMNS = (
     "encoder", "view", "design", "scope", "metric", "m", "value", "ci_low", "ci_high", "ci_level", "n_boot",
     "ci_seed", "ci_method", "support", "defined", "undefined_reason", "low_support", "rank", "rank_low", "rank_high",
-    "mean_rank", "n_ranked", "recall", "n_units", "n_defined", "k", "tau", "f0", "q_alpha", "ltm_alpha", "backend",
+    "mean_rank", "n_ranked", "win_fractions", "recall", "n_units", "n_defined", "k", "tau", "f0", "q_alpha", "ltm_alpha", "backend",
     "warnings", "fingerprint", "code_version", "finished_at",
 )
 #: Columns of the tidy probe table (``<store>/probe.parquet``): one row per probe accuracy.
@@ -220,7 +225,8 @@ def _rank(entries: list[dict], level: float) -> None:
     for group in by_group.values():
         ranked = sorted((e for e in group if e["defined"]), key=lambda e: e["encoder"])
         for e in group:
-            e.update(rank=None, rank_low=None, rank_high=None, mean_rank=float("nan"), n_ranked=len(ranked))
+            e.update(rank=None, rank_low=None, rank_high=None, mean_rank=float("nan"), n_ranked=len(ranked),
+                     win_fractions="")
         if not ranked:
             continue
         names = [e["encoder"] for e in ranked]
@@ -232,8 +238,11 @@ def _rank(entries: list[dict], level: float) -> None:
             summary = rank_summary(names, points, np.empty((0, len(names))), level=level)
         for e in ranked:
             n = e["encoder"]
+            wins = {b: summary["pairwise_win"][(n, b)] for b in names if b != n
+                    and math.isfinite(summary["pairwise_win"][(n, b)])}
             e.update(rank=summary["point_rank"][n], rank_low=summary["rank_lo"][n], rank_high=summary["rank_hi"][n],
-                     mean_rank=summary["mean_rank"][n])
+                     mean_rank=summary["mean_rank"][n],
+                     win_fractions=json.dumps(wins, sort_keys=True) if wins else "")
 
 
 def _frame(rows: list[dict], columns) -> pd.DataFrame:
