@@ -161,20 +161,21 @@ def execute_plan(plan: Plan, client, *, store=None, retries: int = 2, out: TextI
             unit = units[futures[fut]]
             if isinstance(fut, LocalFuture):
                 res = fut.result()  # drive_large_unit records its own failures and never raises
-            elif fut.status != "finished":  # erred after its retries, or cancelled (scheduler lost)
-                try:
-                    exc = fut.exception()
-                except BaseException as lost:  # noqa: BLE001 - CancelledError is a BaseException
-                    exc = lost
-                err = f"{type(exc).__name__}: {exc}"
-                store.record_failure(unit.fingerprint, unit=dict(unit.describe(), run_id=run_id), error=err)
-                failures.append({"label": unit.label, "fingerprint": unit.fingerprint, "error": err})
-                bar.update(unit.label, "FAILED")
-                fut.release()
-                continue
             else:
-                res = fut.result()
-                fut.release()
+                try:
+                    # a finished task whose small result was lost with its worker (a cancelled or
+                    # preempted worker job) is recomputed by the scheduler: wait for it
+                    res = fut.result()
+                except (KeyboardInterrupt, SystemExit):
+                    raise
+                except BaseException as exc:  # noqa: BLE001 - erred after its retries; CancelledError (scheduler lost)
+                    err = f"{type(exc).__name__}: {exc}"
+                    store.record_failure(unit.fingerprint, unit=dict(unit.describe(), run_id=run_id), error=err)
+                    failures.append({"label": unit.label, "fingerprint": unit.fingerprint, "error": err})
+                    bar.update(unit.label, "FAILED")
+                    continue
+                finally:
+                    fut.release()
             if res["status"] == "done":
                 succeeded += 1
             else:
