@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pandas as pd
+from tomllib import loads as tomllib_loads
 import pytest
 
 from cachescore.jobs import load_job
@@ -210,3 +211,21 @@ def test_self_resubmitting_rescore_runs_once_with_every_zero(slurm, tmp_path):
     assert done.returncode == 0, done.stderr + log
     assert "executed 28" in log and "Submitted batch job" not in log  # EVERY=0: not queued again
     assert not [j for j in _squeue() if j[1] == "cachescore-rescore-every"]
+
+
+def test_maximum_jobs_follows_the_plan_and_the_kind(tmp_path):
+    from cachescore.jobs import parse_job
+    from cachescore.pipeline import plan_job
+    from cachescore.pipeline.execute import ensure_demo_cache, maximum_jobs, plan_parallelism
+
+    job_path = _job(tmp_path, "bound")
+    job = load_job(job_path)
+    ensure_demo_cache(job, out=None)
+    plan = plan_job(job)
+    assert plan_parallelism(plan) == 24 + 4 * 5 * 2  # 24 metric units + 4 probe units x 5 replicates x 2 splits
+    assert maximum_jobs(job, plan) == 2  # the job's [cluster] maximum_jobs
+    doc = tomllib_loads(job_path.read_text())
+    doc["cluster"]["maximum_jobs"] = 0
+    doc["cluster"]["slurm"]["processes"] = doc["cluster"]["slurm"]["cores"] = 4
+    derived = parse_job(doc, path=job_path)
+    assert maximum_jobs(derived, plan, "slurm") == 16 and maximum_jobs(derived, plan, "local") == 32

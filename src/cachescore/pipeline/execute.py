@@ -228,12 +228,14 @@ def plan_parallelism(plan: Plan) -> int:
     return max(1, n)
 
 
-def maximum_jobs(job, plan: Plan) -> int:
-    """``[cluster] maximum_jobs``, or (0) the plan's parallelism over the processes per job, at most 32."""
+def maximum_jobs(job, plan: Plan, kind: str | None = None) -> int:
+    """``[cluster] maximum_jobs``, or (0) the plan's parallelism over the processes per job of
+    ``kind`` (default the job's ``[cluster] kind``), at most 32."""
     c = job.cluster
+    kind = kind or c.get("kind")
     if int(c.get("maximum_jobs", 0)) > 0:
         return int(c["maximum_jobs"])
-    per_job = int(c.get(c.get("kind"), {}).get("processes", 1)) if c.get("kind") in ("slurm", "pbs") else 1
+    per_job = int(c.get(kind, {}).get("processes", 1)) if kind in ("slurm", "pbs") else 1
     return max(1, min(32, -(-plan_parallelism(plan) // max(1, per_job))))
 
 
@@ -244,7 +246,8 @@ def _client_for(job, plan: Plan, scheduler: str | None, cluster_kind: str, proce
     if scheduler:
         return open_client(scheduler)
     if cluster_kind != "local":
-        return open_cluster_client({**job.cluster, "kind": cluster_kind}, maximum_jobs=maximum_jobs(job, plan))
+        return open_cluster_client({**job.cluster, "kind": cluster_kind},
+                                   maximum_jobs=maximum_jobs(job, plan, cluster_kind))
     return open_client(None, n_workers=ex["n_workers"], memory_limit=ex["memory_limit"], dashboard=ex["dashboard"],
                        processes=processes)
 
