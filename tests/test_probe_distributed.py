@@ -104,9 +104,11 @@ def test_in_process_cluster_gives_identical_outcomes(reference, n_workers):
                       dashboard_address=None) as cluster, Client(cluster) as client:  # fmt: skip
         counting = CountingClient(client)
         run = sweep_outcomes(X, C, Y, keep_predictions=True, client=counting, **KW)
-        # the data is shipped once, held by recomputable tasks (a lost worker costs a recomputation,
-        # not the sweep): X, labels and the test set's two arrays; nothing is scattered
-        assert not counting.scattered and len(counting.held) == 4 and counting.held[0] is X
+        # the data is scattered once, without broadcast (Dask moves it where tasks need it): X,
+        # labels and the test set's two arrays, never inside the task graph
+        assert len(counting.scattered) == 1 and not counting.held
+        data, kwargs = counting.scattered[0]
+        assert data[0] is X and len(data) == 4 and not kwargs.get("broadcast")
         assert counting.submitted == 3 * 3  # one task per (replicate, split)
         matrix = probe_sweep(X, C, Y, client=client, **{k: v for k, v in KW.items() if k != "test_sets"})
     for name in (IN_DOMAIN, "ood"):

@@ -234,36 +234,22 @@ def paired_rank_stability(model_values: dict, cluster_ids, *, n_boot: int = 2000
         name: (float(np.median(a[np.isfinite(a)])) if np.isfinite(a).any() else float("nan"))
         for name, a in arrays.items()
     }
-    ranked = sorted(models, key=lambda name: point_value[name], reverse=True)
-    point_rank = {name: i + 1 for i, name in enumerate(ranked)}
-
     picks = _draw(np.random.default_rng(seed), n_boot, k)
     counts = _multiplicities(picks, k) if k else np.zeros((int(n_boot), 0), dtype=np.int64)
     meds = np.stack(
         [_weighted_medians(arrays[name][np.isfinite(arrays[name])], member[np.isfinite(arrays[name])], counts) for name in models],
         axis=1,
     )  # (n_boot, M)
-    finite = np.isfinite(meds)
-    key = np.where(finite, meds, -np.inf)
-    order = np.argsort(-key, axis=1, kind="stable")  # descending, ties in dict order
-    ranks = np.empty_like(order)
-    np.put_along_axis(ranks, order, np.arange(1, len(models) + 1)[None, :], axis=1)
-    beats = finite[:, :, None] & finite[:, None, :] & (meds[:, :, None] > meds[:, None, :])
-    win = beats.sum(axis=0) / float(n_boot)
-
-    q_lo = (1.0 - level) / 2.0 * 100.0
-    q_hi = 100.0 - q_lo
+    ranks = rank_summary(models, point_value, meds, level=level)
     return RankStability(
         models=models,
         point_value=point_value,
-        point_rank=point_rank,
-        mean_rank={name: float(ranks[:, j].mean()) for j, name in enumerate(models)},
-        rank_lo={name: int(np.percentile(ranks[:, j], q_lo)) for j, name in enumerate(models)},
-        rank_hi={name: int(np.percentile(ranks[:, j], q_hi)) for j, name in enumerate(models)},
+        point_rank=ranks["point_rank"],
+        mean_rank=ranks["mean_rank"],
+        rank_lo=ranks["rank_lo"],
+        rank_hi=ranks["rank_hi"],
         value_ci={name: percentile_ci(meds[:, j], point_value[name], level, int(n_boot)) for j, name in enumerate(models)},
-        pairwise_win={
-            (a, b): float(win[i, j]) for i, a in enumerate(models) for j, b in enumerate(models) if a != b
-        },
+        pairwise_win=ranks["pairwise_win"],
         n_boot=int(n_boot),
     )
 

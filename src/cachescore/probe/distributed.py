@@ -14,30 +14,41 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import dask
 import numpy as np
 
 from .._threads import single_thread_blas
 from .fit import ProbeOutcome, ProbeTask, fit_probe
 
-__all__ = ["run_probe_job", "run_probe_jobs", "hold_arrays"]
+__all__ = ["run_probe_job", "run_probe_jobs", "gather_on_scattered"]
 
 
-def _same(array):
-    return array
+def gather_on_scattered(client, arrays, submit) -> list:
+    """Scatter ``arrays`` once (no broadcast: Dask moves them where tasks need them), submit the
+    tasks with ``submit(array futures) -> [task futures]`` and gather their results in order.
 
-
-def hold_arrays(client, arrays, run: str) -> list:
-    """One future per array, held by a task whose argument is the array itself.
-
-    Unlike ``client.scatter`` (whose data cannot be recomputed), the scheduler can rebuild such a
-    future when the worker holding it dies — a worker job cancelled or preempted mid-sweep (SLURM,
-    Kubernetes, adaptive scaling) then costs a recomputation, not the sweep. Dask moves the data
-    to the workers that need it (no broadcast to workers that come and go). Keys:
-    ``probe-data-<run>-<i>``.
+    Scattered data cannot be recomputed: when a worker holding it dies (a cancelled or preempted
+    worker job) the tasks fail. Then, once, the data is scattered again and the tasks resubmitted;
+    any other failure is raised at once. The data never enters the task graph (the scheduler does
+    not hold it). Remaining tasks are cancelled on failure; the scattered data is released.
     """
-    with dask.config.set({"distributed.admin.large-graph-warning-threshold": "4GiB"}):  # the data is the point
-        return [client.submit(_same, a, key=f"probe-data-{run}-{i}", pure=False) for i, a in enumerate(arrays)]
+    for attempt in (0, 1):
+        held = client.scatter(list(arrays), hash=False)
+        futures: list = []
+        try:
+            futures = submit(held)
+            return list(client.gather(futures))
+        except (KeyboardInterrupt, SystemExit):
+            client.cancel(futures)
+            raise
+        except BaseException:  # noqa: BLE001 - CancelledError is a BaseException
+            client.cancel(futures)  # a probe failed: stop the rest
+            lost = any(f.status != "finished" for f in held)
+            if attempt or not lost:
+                raise
+        finally:
+            for f in held:
+                f.release()
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def run_probe_job(
@@ -83,7 +94,7 @@ def run_probe_jobs(
     """Fit every job's probe; returns the outcomes in ``jobs`` order.
 
     ``client=None`` runs a plain in-process loop. Otherwise ``client`` must be a
-    ``distributed.Client``: the data is held by recomputable tasks (:func:`hold_arrays`) and one
+    ``distributed.Client``: the data is scattered once (:func:`gather_on_scattered`) and one
     task is submitted per job (keys ``probe-<run>-r<replicate>-s<split>``); a task failure re-raises here.
     """
     names = list(test_sets)
@@ -93,29 +104,11 @@ def run_probe_jobs(
             run_probe_job(job, features, labels, names, keep_predictions, *flat_tests)
             for job in jobs
         ]
-    run = uuid.uuid4().hex[:12]
-    scattered = hold_arrays(client, [features, labels, *flat_tests], run)
-    x_future, y_future, *test_futures = scattered
-    futures: list = []
-    try:
-        futures = [
-            client.submit(
-                run_probe_job,
-                job,
-                x_future,
-                y_future,
-                names,
-                keep_predictions,
-                *test_futures,
-                key=f"probe-{run}-r{job.replicate}-s{job.split}",
-                pure=False,
-            )
-            for job in jobs
-        ]
-        return list(client.gather(futures))
-    except BaseException:
-        client.cancel(futures)  # a probe failed (or we were interrupted): stop the rest
-        raise
-    finally:
-        for future in scattered:
-            future.release()
+    def submit(held):
+        run = uuid.uuid4().hex[:12]  # fresh keys for a resubmission
+        x_future, y_future, *test_futures = held
+        return [client.submit(run_probe_job, job, x_future, y_future, names, keep_predictions, *test_futures,
+                              key=f"probe-{run}-r{job.replicate}-s{job.split}", pure=False)
+                for job in jobs]
+
+    return gather_on_scattered(client, [features, labels, *flat_tests], submit)

@@ -64,7 +64,7 @@ from .audit import (
     audit_sweep,
     combine_leakage,
 )
-from .distributed import hold_arrays, run_probe_job
+from .distributed import gather_on_scattered, run_probe_job
 from .fit import C_GRID, IN_DOMAIN, balanced_accuracy
 from .plan import ProbePlan, _prepare
 from .plan import plan_sha256 as _hash
@@ -693,22 +693,18 @@ def _run_tasks(jobs, features, labels, row_centres, named_tests, test_centres, e
     if client is None:
         return [_fit_and_evaluate(job, features, labels, row_centres, names, eval_kw, *flat)
                 for job in jobs]
-    run = uuid.uuid4().hex[:12]
     arrays = [features, labels, row_centres, *[a for a in flat if a is not None]]
-    scattered = hold_arrays(client, arrays, run)
-    x_f, y_f, c_f, *rest = scattered
-    it = iter(rest)
-    flat_f = [None if a is None else next(it) for a in flat]
-    try:
-        futures = [
-            client.submit(_fit_and_evaluate, job, x_f, y_f, c_f, names, eval_kw, *flat_f,
-                          key=f"probe-eval-{run}-r{job.replicate}-s{job.split}", pure=False)
-            for job in jobs
-        ]
-        return list(client.gather(futures))
-    finally:
-        for f in scattered:
-            f.release()
+
+    def submit(held):
+        run = uuid.uuid4().hex[:12]  # fresh keys for a resubmission
+        x_f, y_f, c_f, *rest = held
+        it = iter(rest)
+        flat_f = [None if a is None else next(it) for a in flat]
+        return [client.submit(_fit_and_evaluate, job, x_f, y_f, c_f, names, eval_kw, *flat_f,
+                              key=f"probe-eval-{run}-r{job.replicate}-s{job.split}", pure=False)
+                for job in jobs]
+
+    return gather_on_scattered(client, arrays, submit)
 
 
 @dataclass(frozen=True, kw_only=True)
