@@ -48,6 +48,18 @@ class SubprocessCluster:
     n_workers: int
     processes: list[subprocess.Popen] = field(default_factory=list)
     log_dir: Path | None = None
+    #: ``http://127.0.0.1:<port>`` of the scheduler's HTTP server (dashboard, /metrics), if started with one.
+    http: str | None = None
+    #: Starts one more worker process (set by :func:`subprocess_cluster`); returns its Popen.
+    add_worker: object = None
+
+    @property
+    def scheduler(self) -> subprocess.Popen:
+        return self.processes[0]
+
+    @property
+    def workers(self) -> list[subprocess.Popen]:
+        return self.processes[1:]
 
     def logs(self) -> str:
         if self.log_dir is None:
@@ -75,36 +87,49 @@ def _wait_for_port(port: int, deadline: float, procs: list[subprocess.Popen]) ->
 
 
 
-def _start(cluster, port, n_workers, nthreads, memory_limit, timeout, env, handles) -> None:
+def _start(cluster, port, n_workers, nthreads, memory_limit, timeout, env, handles, *, http_port=None,
+           nanny=True) -> None:
     log_dir = cluster.log_dir
     address = cluster.address
 
-    def spawn(name: str, args: list[str]) -> None:
+    def spawn(name: str, args: list[str]) -> subprocess.Popen:
         handle = open(log_dir / f"{name}.log", "wb")
         handles.append(handle)
-        cluster.processes.append(
-            subprocess.Popen(args, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=log_dir)
-        )
+        proc = subprocess.Popen(args, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=log_dir)
+        cluster.processes.append(proc)
+        return proc
 
+    def add_worker() -> subprocess.Popen:
+        k = len(cluster.processes) - 1
+        return spawn(f"worker-{k}", [*_dask_cli(), "worker", address, "--host", "127.0.0.1",
+                                     "--nthreads", str(nthreads), "--no-dashboard", "--name", f"w{k}",
+                                     "--memory-limit", memory_limit, *([] if nanny else ["--no-nanny"])])  # fmt: skip
+
+    cluster.add_worker = add_worker
+    dashboard = ["--dashboard-address", f"127.0.0.1:{http_port}"] if http_port else ["--no-dashboard"]
     spawn("scheduler", [*_dask_cli(), "scheduler", "--host", "127.0.0.1", "--port", str(port),
-                        "--no-dashboard"])  # fmt: skip
+                        *dashboard])  # fmt: skip
     deadline = time.monotonic() + timeout
     _wait_for_port(port, deadline, cluster.processes)
-    for k in range(n_workers):
-        spawn(f"worker-{k}", [*_dask_cli(), "worker", address, "--host", "127.0.0.1",
-                              "--nthreads", str(nthreads), "--no-dashboard", "--name", f"w{k}",
-                              "--memory-limit", memory_limit])  # fmt: skip
+    for _ in range(n_workers):
+        add_worker()
     from distributed import Client
 
     with Client(address, timeout=timeout) as client:
-        client.wait_for_workers(n_workers, timeout=max(1.0, deadline - time.monotonic()))
+        if n_workers:
+            client.wait_for_workers(n_workers, timeout=max(1.0, deadline - time.monotonic()))
 
 
 @contextlib.contextmanager
 def subprocess_cluster(
-    n_workers: int = 2, nthreads: int = 1, timeout: float = 120.0, memory_limit: str = "2GiB"
+    n_workers: int = 2, nthreads: int = 1, timeout: float = 120.0, memory_limit: str = "2GiB", *,
+    http: bool = False, nanny: bool = True,
 ) -> Iterator[SubprocessCluster]:
-    """Start a scheduler and ``n_workers`` workers as subprocesses; yield; always tear down."""
+    """Start a scheduler and ``n_workers`` workers as subprocesses; yield; always tear down.
+
+    ``http``: the scheduler serves its HTTP server (dashboard, ``/metrics``) on a free port
+    (``cluster.http``); ``nanny=False`` starts workers without a nanny, so killing the process
+    kills the worker. ``n_workers`` may be 0 (``cluster.add_worker()`` starts one later)."""
     log_dir = Path(tempfile.mkdtemp(prefix="cachescore-cluster-"))
     env = dict(os.environ)
     env.update(
@@ -117,10 +142,13 @@ def subprocess_cluster(
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
     cluster = SubprocessCluster(address=address, n_workers=n_workers, log_dir=log_dir)
+    http_port = free_port() if http else None
+    cluster.http = f"http://127.0.0.1:{http_port}" if http_port else None
     handles = []
     try:
         try:
-            _start(cluster, port, n_workers, nthreads, memory_limit, timeout, env, handles)
+            _start(cluster, port, n_workers, nthreads, memory_limit, timeout, env, handles, http_port=http_port,
+                   nanny=nanny)
         except Exception as exc:
             raise RuntimeError(f"subprocess cluster failed to start: {exc}\n{cluster.logs()}") from exc
         yield cluster

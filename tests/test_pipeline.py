@@ -189,7 +189,7 @@ def test_second_run_executes_nothing(tmp_path, demo_cache):
 
     prov = store.read_provenance(first.run_id)
     assert prov["state"] == "finished" and prov["finished_at"]
-    assert prov["units"] == {"planned": 24, "executed": 24, "skipped": 0, "succeeded": 24, "failed": 0}
+    assert prov["units"] == {"planned": 24, "executed": 24, "skipped": 0, "succeeded": 24, "failed": 0, "not_run": 0}
     assert prov["job"]["job"]["cache"] == str(demo_cache)
     assert set(prov["input_fingerprints"]) == set(plan_job(job).inputs)
     assert prov["versions"]["cachescore"] and prov["versions"]["numpy"] == np.__version__

@@ -37,14 +37,14 @@ DEFERRED = ("numba", "pynndescent", "bokeh", "h5py", "croma", "torch", "matplotl
 
 #: Layer order, lowest first: a package may import only packages at its own level or below.
 LAYERS = [
-    {"_version", "_finite", "_jsonsafe", "_hashing", "_threads", "types", "errors"},
+    {"_version", "_finite", "_jsonsafe", "_hashing", "_threads", "_taskkeys", "types", "errors"},
     {"fingerprint", "manifest"},
     {"store", "alignment"},
     {"cache"},
     {"neighbors"},
     {"metrics"},
     {"probe", "downstream"},
-    {"jobs", "results"},
+    {"jobs", "results", "monitoring"},
     {"pipeline"},
     {"report", "report_figures"},
     {"cli", "<root>"},

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from collections import Counter
 from pathlib import Path
@@ -34,6 +35,7 @@ from pathlib import Path
 import pandas as pd
 
 from .cache import Cache, import_cache, verify_cache
+from .errors import RunAborted, RunInterrupted
 from .jobs import describe_schema, load_job
 from .jobs.schema import CLUSTER_KINDS
 from ._jsonsafe import json_safe
@@ -41,6 +43,8 @@ from .pipeline import plan_job, run_job, unit_status
 from .pipeline.execute import build_results
 from .pipeline.prune import prune_store
 from .store import ResultsStore
+from .store.lock import LOCK_NAME, StoreLock
+from .store.verify import verify_store
 from .pipeline.watch import watch_job
 from .report import build_report
 from .results import compare_encoders, export_tables, read_scores
@@ -178,13 +182,26 @@ def _leaderboard(scores) -> str:
     return format_table(rows, list(rows[0]))
 
 
+def _run_line(summary) -> str:
+    return (f"run {summary.run_id}: {summary.planned} units, executed {summary.executed}, "
+            f"skipped {summary.skipped} (up to date), succeeded {summary.succeeded}, failed {len(summary.failures)} "
+            f"in {summary.seconds:.1f}s")
+
+
 def _cmd_run(args) -> int:
     job = load_job(args.job)
     out = None if args.quiet else sys.stderr
-    summary = run_job(job, scheduler=args.scheduler, out=out, cluster=getattr(args, "cluster", None))
-    print(f"run {summary.run_id}: {summary.planned} units, executed {summary.executed}, "
-          f"skipped {summary.skipped} (up to date), succeeded {summary.succeeded}, failed {len(summary.failures)} "
-          f"in {summary.seconds:.1f}s")
+    try:
+        summary = run_job(job, scheduler=args.scheduler, out=out, cluster=getattr(args, "cluster", None),
+                          verbose=getattr(args, "verbose", False))
+    except RunAborted as exc:
+        done = getattr(exc, "summary", None)
+        print(f"error: run aborted: {exc}", file=sys.stderr)
+        if done is not None:
+            print(f"provenance: {Path(job.store) / 'runs' / done.run_id / 'provenance.json'} (state 'aborted'); "
+                  f"the next run resumes with the units not stored", file=sys.stderr)
+        return 2
+    print(_run_line(summary))
     if summary.report_path:
         print(f"performance report: {summary.report_path}")
     board = _leaderboard(read_scores(job.store)) if summary.tables else ""
@@ -226,22 +243,44 @@ def _json_rows(rows: list[dict]) -> str:
     return json.dumps(json_safe(rows), indent=1, sort_keys=True, default=str)
 
 
+def _runs_line(store: ResultsStore) -> str:
+    """The store's lock holder and run states, e.g. ``runs: 3 finished, 1 interrupted; in use by run …``."""
+    states = Counter()
+    for run_id in store.runs():
+        try:
+            states[store.read_provenance(run_id).get("state", "?")] += 1
+        except (OSError, ValueError):
+            states["unreadable"] += 1
+    holder, age = StoreLock(store.path, "status").holder() if (store.path / LOCK_NAME).is_file() else (None, None)
+    text = "runs: " + (", ".join(f"{n} {s}" for s, n in sorted(states.items())) or "none")
+    if holder:
+        text += (f"; in use by run {holder.get('run_id')} (host {holder.get('host')}, pid {holder.get('pid')}, "
+                 f"heartbeat {age:.0f} s ago)")
+    return text
+
+
 def _cmd_status(args) -> int:
     job = load_job(args.job)
     if not Path(job.cache).is_dir():
         print(f"cache not found: {job.cache} (run: cachescore run {args.job})", file=sys.stderr)
         return 2
-    rows = _with_scores(unit_status(job), job)
+    store = ResultsStore(job.store)
+    for stale in store.mark_stale_runs():  # a run killed by SIGKILL could not say so itself
+        print(f"run {stale} ended without finishing (its process is gone): marked 'interrupted'", file=sys.stderr)
+    rows = _with_scores(unit_status(job, store=store), job)
     problems = verify_cache(Cache(job.cache)) if args.verify else []
+    store_problems = verify_store(job.store) if args.verify else []
     if args.json:
         doc = {"job": str(job.path), "store": str(job.store), "units": rows,
                "counts": dict(sorted(Counter(r["state"] for r in rows).items()))}
         if args.verify:
             doc["cache_problems"] = [p.to_dict() for p in problems]
+            doc["store_problems"] = [p.to_dict() for p in store_problems]
         print(_json_rows(doc))
-        return 1 if problems else 0
+        return 1 if problems or store_problems else 0
     shown = [dict(r, params=_short(r["params"]), scope=r.get("scope") or "", ci=_interval(r.get("ci_low"), r.get("ci_high")),
                   flags=_short(r.get("flags") or "", 60)) for r in rows]
+    print(_runs_line(store))
     print(format_table(shown, ["encoder", "view", "design", "metric", "scope", "params", "state", "value", "ci", "flags",
                                "detail"]))
     counts = Counter(r["state"] for r in rows)
@@ -250,12 +289,18 @@ def _cmd_status(args) -> int:
         return 0
     if not problems:
         print(f"cache {job.cache}: healthy (verify found no problem)")
-        return 0
-    print(f"\ncache {job.cache}: {len(problems)} problem(s)")
-    print(format_table([{"kind": p.kind, "encoder": p.encoder, "tileset": p.tileset, "view": p.view,
-                         "message": _short(p.message, 160)} for p in problems],
-                       ["kind", "encoder", "tileset", "view", "message"]))
-    return 1
+    else:
+        print(f"\ncache {job.cache}: {len(problems)} problem(s)")
+        print(format_table([{"kind": p.kind, "encoder": p.encoder, "tileset": p.tileset, "view": p.view,
+                             "message": _short(p.message, 160)} for p in problems],
+                           ["kind", "encoder", "tileset", "view", "message"]))
+    if not store_problems:
+        print(f"results store {job.store}: healthy (verify found no problem)")
+    else:
+        print(f"\nresults store {job.store}: {len(store_problems)} problem(s)")
+        print(format_table([{"kind": p.kind, "path": p.path, "message": _short(p.message, 120)} for p in store_problems],
+                           ["kind", "path", "message"]))
+    return 1 if problems or store_problems else 0
 
 
 def _cmd_compare(args) -> int:
@@ -304,8 +349,7 @@ def _cmd_export(args) -> int:
 
 def _cmd_watch(args) -> int:
     polls = watch_job(args.job, interval=args.interval, max_runs=args.max_runs, scheduler=args.scheduler,
-                      cluster=args.cluster,
-                      out=sys.stderr, progress=not args.quiet)
+                      cluster=args.cluster, out=sys.stderr, progress=not args.quiet, verbose=args.verbose)
     failed = sum(len(p.summary.failures) for p in polls if p.summary is not None)
     runs = [p for p in polls if p.summary is not None]
     print(f"watch: {len(polls)} poll(s), {len(runs)} run(s), executed "
@@ -387,12 +431,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("job", help="job file (TOML)")
     _where(r)
     r.add_argument("-q", "--quiet", action="store_true", help="no progress bar or leaderboard")
+    r.add_argument("-v", "--verbose", action="store_true", help="also one line per finished unit")
     r.set_defaults(func=_cmd_run)
 
     s = sub.add_parser("status", help="what is scored, stale, missing or failed")
     s.add_argument("job")
     s.add_argument("--verify", action="store_true",
-                   help="also run the cache health check (checksums, alignment, NaN rows, views); exit 1 on problems")
+                   help="also check the cache (checksums, alignment, NaN rows, views) and the results store "
+                        "(per-unit files and checksums, orphans, run states); exit 1 on problems")
     s.add_argument("--json", action="store_true", help="machine-readable status (units with CI, rank and flags)")
     s.set_defaults(func=_cmd_status)
 
@@ -427,6 +473,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop after N polls (each runs the job at most once); default: forever")
     _where(w)
     w.add_argument("-q", "--quiet", action="store_true", help="no per-unit progress (the poll lines still print)")
+    w.add_argument("-v", "--verbose", action="store_true", help="also one line per finished unit")
     w.set_defaults(func=_cmd_watch)
 
     i = sub.add_parser("import", help="build a cache from .npy/.h5 files and a tile manifest")
@@ -461,16 +508,42 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _raise_interrupted(signum, frame) -> None:
+    raise RunInterrupted(signum)
+
+
+def _interrupted_line(exc: BaseException, signum: int) -> str:
+    summary = getattr(exc, "summary", None)
+    name = signal.Signals(signum).name
+    if summary is None:
+        return f"interrupted by {name}"
+    return (f"interrupted by {name}: run {summary.run_id} stopped with {summary.succeeded} unit(s) done, "
+            f"{len(summary.failures)} failed, {len(summary.not_run)} not run (provenance state 'interrupted'; the "
+            "next run resumes)")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``cachescore`` command; returns the exit code (0 ok, 1 unit failures,
-    2 job-level error)."""
+    2 job-level error or an aborted run, 130 / 143 interrupted by SIGINT / SIGTERM)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    previous = None
+    try:
+        previous = signal.signal(signal.SIGTERM, _raise_interrupted)  # SIGTERM ends a run like Ctrl-C
+    except ValueError:  # not the main thread (an embedding caller): leave signals alone
+        pass
     try:
         return int(args.func(args))
     except (ValueError, OSError) as exc:  # job-level errors (ours subclass these); a bug shows its traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except (KeyboardInterrupt, RunInterrupted) as exc:
+        signum = exc.signum if isinstance(exc, RunInterrupted) else int(signal.SIGINT)
+        print(_interrupted_line(exc, signum), file=sys.stderr)
+        return 128 + signum
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":  # pragma: no cover

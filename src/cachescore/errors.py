@@ -14,7 +14,7 @@ traceback, never filed as bad data.
 
 from __future__ import annotations
 
-__all__ = ["UnscorableError", "DATA_ERRORS"]
+__all__ = ["UnscorableError", "DATA_ERRORS", "RunAborted", "RunInterrupted"]
 
 
 class UnscorableError(RuntimeError):
@@ -26,3 +26,27 @@ class UnscorableError(RuntimeError):
 #: Exceptions that mean "this unit's input cannot be scored": recorded as the unit's failure,
 #: never retried. ``ValueError`` covers every validation error and the packages' error classes.
 DATA_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, UnscorableError)
+
+
+class RunAborted(OSError):
+    """A run could not go on: the scheduler was lost, no worker joined for ``[execution]
+    no_workers_timeout``, the store cannot be written. ``reason`` is one of ``scheduler-lost``,
+    ``no-workers``, ``store-unwritable``; the message names the scheduler or store and how many units
+    were done and not run. The run's provenance says ``aborted`` with this message."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class RunInterrupted(BaseException):
+    """The run was stopped by a signal (Ctrl-C: ``SIGINT``, ``SIGTERM``). A ``BaseException``, like
+    ``KeyboardInterrupt``, so no ``except Exception`` swallows it; ``signum`` gives the exit code
+    ``128 + signum`` (130, 143)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = int(signum)

@@ -282,6 +282,13 @@ SCHEMA: dict[str, dict[str, Key]] = {
                                   _positive_int),
         "dashboard": Key((bool,), True, "Serve the LocalCluster dashboard on 127.0.0.1 (a free port) and print its URL."),
         "performance_report": Key((bool,), True, "Save a Dask performance report (HTML) in the store's run folder."),
+        "no_workers_timeout": Key((int, float), 300.0, "Seconds a run waits while the scheduler has no worker (the "
+                                                       "progress says 'waiting for workers'); then the remaining units "
+                                                       "are recorded as not run and the run exits 2.", _positive_number),
+        "stale_lock_age": Key((int, float), 600.0, "Seconds without a heartbeat after which the store lock of a run "
+                                                   "on another host counts as abandoned and is taken over (a lock of "
+                                                   "this host is taken over as soon as its process is gone).",
+                              _positive_number),
     },
 }
 

@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from .._taskkeys import task_key
 from .._threads import single_thread_blas
 from .exact import cross_group_knn
 from .typed import (
@@ -129,7 +130,7 @@ def distributed_typed_knn(client, u, labels, confounders, groups, m, *, block_ro
         return typed_merge(layout, (), m, u.dtype)
     us_f, gs_f, layout_f = _scatter(client, np.ascontiguousarray(u[layout.order]), gs, layout)
     try:
-        futures = [client.submit(_typed_task, us_f, gs_f, layout_f, blk, m, pure=False) for blk in layout.blocks]
+        futures = [client.submit(_typed_task, us_f, gs_f, layout_f, blk, m, pure=False, key=task_key("search", "typed")) for blk in layout.blocks]
         parts = gather_or_cancel(client, futures)
         return typed_merge(layout, parts, m, u.dtype)
     finally:
@@ -156,7 +157,7 @@ def distributed_count_within(client, u, groups, radius, *, block_rows=None) -> n
         return np.zeros(0, dtype=np.int64)
     us_f, gs_f, floor_f = _scatter(client, np.ascontiguousarray(u[order]), gs, floor)
     try:
-        futures = [client.submit(_count_task, us_f, gs_f, floor_f, qs, b, pure=False) for qs in range(0, n, b)]
+        futures = [client.submit(_count_task, us_f, gs_f, floor_f, qs, b, pure=False, key=task_key("search", "count")) for qs in range(0, n, b)]
         parts = gather_or_cancel(client, futures)
         return count_merge(n, order, parts)
     finally:
@@ -193,7 +194,8 @@ def distributed_cross_group_knn(client, u, groups, kmax, *, block_rows=None, **s
     u_f, g_f = _scatter(client, u, np.asarray(groups))
     try:
         futures = [
-            client.submit(_cross_group_task, u_f, g_f, kmax, r0, min(r0 + b, n), search_kwargs, pure=False)
+            client.submit(_cross_group_task, u_f, g_f, kmax, r0, min(r0 + b, n), search_kwargs, pure=False,
+                          key=task_key("search", "cross"))
             for r0 in range(0, n, b)
         ]
         parts = sorted(gather_or_cancel(client, futures), key=lambda p: p[0])

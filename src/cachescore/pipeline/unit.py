@@ -25,6 +25,7 @@ records it as failed, with its type and message, if retries run out.
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -34,10 +35,12 @@ from collections import defaultdict
 from contextlib import contextmanager
 from datetime import datetime, timezone
 
+import dask
 import numpy as np
 import pandas as pd
 from distributed import worker_client
 
+from .._taskkeys import ANNOTATION
 from .._threads import single_thread_blas
 from ..cache import Cache
 from ..errors import DATA_ERRORS, UnscorableError
@@ -49,11 +52,20 @@ from ..neighbors.large_scope import LargeScopeSearch, ScopeRows, scratch_dir
 from ..neighbors.normalize import compute_dtype
 from ..neighbors.registry import in_memory_searcher
 from ..store import ResultsStore
+from ..store.results import StoreWriteError
 from .plan import UnitKind, params_json
 from .probe_unit import run_probe_unit, write_probe_records
 
 __all__ = ["score_unit", "score_large_unit", "drive_large_unit", "run_unit", "run_probe_task",
-           "load_unit_inputs", "result_record"]
+           "load_unit_inputs", "result_record", "unit_annotation"]
+
+
+def unit_annotation(unit, run_id: str | None = None) -> dict:
+    """The Dask annotation of a unit's tasks (``dask.annotate(cachescore=...)``): fingerprint,
+    encoder, view, metric and run id. The scheduler plugin marks the unit running when one of its
+    tasks starts; :func:`cachescore._taskkeys.task_key` names the tasks after it."""
+    return {"unit": unit.fingerprint, "encoder": unit.encoder, "view": unit.view, "metric": unit.metric,
+            "run_id": run_id}
 
 def _nan(x) -> float:
     try:
@@ -324,7 +336,8 @@ def run_unit(unit, run_id: str | None = None) -> dict:
             record, per_unit = score_unit(unit, features, manifest)
         except DATA_ERRORS as exc:
             return _record_failure(store, unit, exc, run_id=run_id, started=t0)
-    return _write_result(store, unit, record, per_unit, started=t0, loaded=t1, caught=caught, run_id=run_id)
+    return _write_result(store, unit, record, per_unit, started=t0, loaded=t1, caught=caught, run_id=run_id,
+                         bytes_read=int(features.nbytes))
 
 
 def drive_large_unit(unit, client, run_id: str | None = None, retries: int = 0) -> dict:
@@ -343,7 +356,7 @@ def drive_large_unit(unit, client, run_id: str | None = None, retries: int = 0) 
     t0 = time.perf_counter()
     for attempt in range(retries + 1):
         try:
-            with captured_warnings() as caught:
+            with captured_warnings() as caught, dask.annotate(**{ANNOTATION: unit_annotation(unit, run_id)}):
                 record, per_unit = score_large_unit(unit, client)
             break
         except DATA_ERRORS as exc:
@@ -354,9 +367,13 @@ def drive_large_unit(unit, client, run_id: str | None = None, retries: int = 0) 
     return _write_result(store, unit, record, per_unit, started=t0, loaded=t0, caught=caught, run_id=run_id)
 
 
-def _write_result(store, unit, record: dict, per_unit, *, started: float, loaded: float, caught, run_id) -> dict:
+def _write_result(store, unit, record: dict, per_unit, *, started: float, loaded: float, caught, run_id,
+                  bytes_read: int | None = None) -> dict:
     """Complete a unit's record (timings, versions, inputs, warnings), write it atomically with
-    its per-unit table and return the task's status dict."""
+    its per-unit table and return the task's status dict (with ``value``, ``recall``, ``rows``:
+    the unit's scored rows, ``bytes_read``: embedding bytes it loaded, for the run board). A store
+    that cannot be written (disk full, read-only: :class:`~cachescore.store.results.StoreWriteError`
+    naming the file) makes the unit ``failed``, not retried: the other units are still attempted."""
     record = dict(record)
     record.setdefault("fingerprint", unit.fingerprint)
     record["seconds"] = time.perf_counter() - started
@@ -366,21 +383,34 @@ def _write_result(store, unit, record: dict, per_unit, *, started: float, loaded
     record["inputs"] = dict(unit.inputs)  # lets ``status`` say which input changed since
     record["run_id"] = run_id
     record["warnings"] = "\n".join(sorted({f"{w.category.__name__}: {w.message}" for w in caught}))
-    store.write_unit(unit.fingerprint, record=record, per_unit=per_unit)
+    try:
+        store.write_unit(unit.fingerprint, record=record, per_unit=per_unit)
+    except StoreWriteError as exc:
+        return _record_failure(store, unit, exc, run_id=run_id, started=started)
     return {"fingerprint": unit.fingerprint, "label": unit.label, "status": "done",
-            "seconds": record["seconds"], "worker_pid": os.getpid()}
+            "seconds": record["seconds"], "worker_pid": os.getpid(), "value": record.get("value"),
+            "recall": record.get("recall"), "rows": record.get("n_units"), "bytes_read": bytes_read}
 
 
 def _record_failure(store, unit, exc: BaseException, *, run_id, started: float) -> dict:
     """Record ``exc`` as the unit's failure and return the task's status dict (``failed``).
 
     Must be called from inside the ``except`` block (the traceback is the current exception's).
+    Recording is best effort: a store that cannot take the failure file either (disk full) still
+    gets the status dict back to the client, which reports it.
     """
     err = f"{type(exc).__name__}: {exc}"
-    store.record_failure(unit.fingerprint, unit=dict(unit.describe(), run_id=run_id), error=err)
+    try:
+        store.record_failure(unit.fingerprint, unit=dict(unit.describe(), run_id=run_id), error=err)
+    except OSError:
+        pass
     return {"fingerprint": unit.fingerprint, "label": unit.label, "status": "failed", "error": err,
             "traceback": traceback.format_exc(limit=5), "seconds": time.perf_counter() - started,
             "worker_pid": os.getpid()}
+
+
+#: errnos of a destination that cannot take more bytes: recorded as the unit's failure, not retried.
+_FULL_OR_READ_ONLY = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
 
 def run_probe_task(unit, bundle_root, run_id: str | None = None) -> dict:
@@ -397,12 +427,24 @@ def run_probe_task(unit, bundle_root, run_id: str | None = None) -> dict:
     store = ResultsStore(unit.store_root)
     t0 = time.perf_counter()
     try:
-        with worker_client() as client:
+        with worker_client() as client, dask.annotate(**{ANNOTATION: unit_annotation(unit, run_id)}):
             records, _ = run_probe_unit(unit.cache_root, unit.encoder, unit.view, unit.params, bundle_root=bundle_root,
                                         client=client, code_version=unit.code_version, inputs=unit.inputs)
     except DATA_ERRORS as exc:
         return _record_failure(store, unit, exc, run_id=run_id, started=t0)
-    written = write_probe_records(store, records, run_id=run_id)
-    store.clear_failure(unit.fingerprint)  # success lives under per-record fingerprints
+    except OSError as exc:
+        if exc.errno not in _FULL_OR_READ_ONLY:
+            raise  # an I/O fault reading the cache: retried like any transient error
+        err = StoreWriteError(exc.errno, f"cannot write the evaluation bundle under {bundle_root}: "
+                                         f"{exc.strerror or exc}")
+        try:
+            raise err from exc
+        except StoreWriteError:
+            return _record_failure(store, unit, err, run_id=run_id, started=t0)
+    try:
+        written = write_probe_records(store, records, run_id=run_id)
+        store.clear_failure(unit.fingerprint)  # success lives under per-record fingerprints
+    except StoreWriteError as exc:
+        return _record_failure(store, unit, exc, run_id=run_id, started=t0)
     return {"fingerprint": unit.fingerprint, "label": unit.label, "status": "done", "records": written,
             "seconds": time.perf_counter() - t0, "worker_pid": os.getpid()}

@@ -25,8 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, TextIO
 
+from ..errors import RunAborted
 from ..jobs import load_job
 from ..store import ResultsStore
+from ..store.lock import StoreLockedError
 from .execute import ensure_demo_cache, run_job
 from .plan import plan_job
 from .status import pending_reasons
@@ -38,12 +40,14 @@ __all__ = ["WatchPoll", "poll_job", "watch_job"]
 class WatchPoll:
     """One poll: ``new`` (pending units that are new work, each ``{"label", "fingerprint",
     "reason"}``), ``known_failures`` (pending units whose fingerprint already failed) and the
-    :class:`~.execute.RunSummary` of the run it started (None when it started none)."""
+    :class:`~.execute.RunSummary` of the run it started (None when it started none); ``error``
+    says why a run could not happen (the store locked by another run, the cluster lost)."""
 
     poll: int
     new: list = field(default_factory=list)
     known_failures: list = field(default_factory=list)
     summary: object = None
+    error: str | None = None
 
 
 def _say(out: TextIO | None, msg: str) -> None:
@@ -110,10 +114,16 @@ def watch_job(job_or_path, *, interval: float = 300.0, max_runs: int | None = No
                       + ", ".join(f"{c} {reason}" for reason, c in sorted(by_reason.items())) + ")")
             for r in new:
                 _say(out, f"  {r['reason']}: {r['label']}")
-            poll.summary = run(job, scheduler=scheduler, cluster=cluster, out=out if progress else None, **run_kwargs)
-            s = poll.summary
-            _say(out, f"[{stamp}] poll {n}: run {s.run_id} executed {s.executed}, succeeded {s.succeeded}, "
-                      f"failed {len(s.failures)}")
+            try:
+                poll.summary = run(job, scheduler=scheduler, cluster=cluster, out=out if progress else None,
+                                   **run_kwargs)
+            except (StoreLockedError, RunAborted) as exc:  # another run holds the store, the cluster went away
+                poll.error = str(exc)
+                _say(out, f"[{stamp}] poll {n}: not run: {exc}; trying again at the next poll")
+            else:
+                s = poll.summary
+                _say(out, f"[{stamp}] poll {n}: run {s.run_id} executed {s.executed}, succeeded {s.succeeded}, "
+                          f"failed {len(s.failures)}")
         else:
             extra = f" ({len(known)} known failure(s) not retried)" if known else ""
             _say(out, f"[{stamp}] poll {n}: up to date{extra}")

@@ -10,12 +10,12 @@ identical for any number of workers and any completion order.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from .._taskkeys import task_key
 from .._threads import single_thread_blas
 from .fit import ProbeOutcome, ProbeTask, fit_probe
 
@@ -95,7 +95,7 @@ def run_probe_jobs(
 
     ``client=None`` runs a plain in-process loop. Otherwise ``client`` must be a
     ``distributed.Client``: the data is scattered once (:func:`gather_on_scattered`) and one
-    task is submitted per job (keys ``probe-<run>-r<replicate>-s<split>``); a task failure re-raises here.
+    task is submitted per job (keys ``probe_replicate[.<encoder>.<view>.probe]-r<replicate>-s<split>-<random>``, see :mod:`cachescore._taskkeys`); a task failure re-raises here.
     """
     names = list(test_sets)
     flat_tests: list[np.ndarray] = [a for name in names for a in test_sets[name]]
@@ -105,10 +105,9 @@ def run_probe_jobs(
             for job in jobs
         ]
     def submit(held):
-        run = uuid.uuid4().hex[:12]  # fresh keys for a resubmission
         x_future, y_future, *test_futures = held
         return [client.submit(run_probe_job, job, x_future, y_future, names, keep_predictions, *test_futures,
-                              key=f"probe-{run}-r{job.replicate}-s{job.split}", pure=False)
+                              key=task_key("probe_replicate", f"r{job.replicate}", f"s{job.split}"), pure=False)
                 for job in jobs]
 
     return gather_on_scattered(client, [features, labels, *flat_tests], submit)

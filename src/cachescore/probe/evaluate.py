@@ -46,7 +46,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -54,6 +53,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from .._taskkeys import task_key
 from .._threads import single_thread_blas
 from . import calibration as cal
 from .audit import (
@@ -696,12 +696,11 @@ def _run_tasks(jobs, features, labels, row_centres, named_tests, test_centres, e
     arrays = [features, labels, row_centres, *[a for a in flat if a is not None]]
 
     def submit(held):
-        run = uuid.uuid4().hex[:12]  # fresh keys for a resubmission
         x_f, y_f, c_f, *rest = held
         it = iter(rest)
         flat_f = [None if a is None else next(it) for a in flat]
         return [client.submit(_fit_and_evaluate, job, x_f, y_f, c_f, names, eval_kw, *flat_f,
-                              key=f"probe-eval-{run}-r{job.replicate}-s{job.split}", pure=False)
+                              key=task_key("probe_evaluate", f"r{job.replicate}", f"s{job.split}"), pure=False)
                 for job in jobs]
 
     return gather_on_scattered(client, arrays, submit)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import re
 import time
 import uuid
@@ -37,6 +38,7 @@ import pyarrow.parquet as pq
 
 from .._jsonsafe import json_safe
 from .atomic import atomic_write, atomic_write_json, sweep_partials
+from .lock import process_alive
 from .schema import (
     FAILURES_SCHEMA,
     RECORD_VERSION,
@@ -48,7 +50,7 @@ from .schema import (
     utc_now,
 )
 
-__all__ = ["ResultsStore", "StoreError", "CorruptRecordError"]
+__all__ = ["ResultsStore", "StoreError", "CorruptRecordError", "StoreWriteError"]
 
 _FP = re.compile(r"^[0-9a-f]{16,128}$")
 _RUN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:+=@-]*$")
@@ -57,6 +59,11 @@ _STORE_META = {"format": "cachescore.results", "version": STORE_LAYOUT_VERSION}
 
 class StoreError(ValueError):
     """The results store folder is not a results store, or an argument is invalid."""
+
+
+class StoreWriteError(OSError):
+    """Writing a record into the store failed (disk full, read-only, I/O error); the message names
+    the file. ``errno`` is the underlying error's."""
 
 
 class CorruptRecordError(KeyError):
@@ -225,10 +232,13 @@ class ResultsStore:
         ``record`` is a dict of JSON-able values (numpy scalars/arrays accepted; NaN stored as
         null); the keys of :data:`~cachescore.store.schema.SCORES_SCHEMA` become columns of
         :meth:`scores`. ``per_unit`` (optional) is stored as Parquet without its index. Rewriting
-        an existing fingerprint replaces it atomically. A stored failure of ``fp`` is removed.
+        an existing fingerprint replaces it atomically (and the replaced record's per-unit table is
+        deleted once unreferenced). A stored failure of ``fp`` is removed.
 
         Raises :class:`StoreError` (bad fingerprint), ``TypeError`` (record not a dict or not
-        JSON-able, per_unit not a DataFrame), ``ValueError`` (record does not fit the schema).
+        JSON-able, per_unit not a DataFrame), ``ValueError`` (record does not fit the schema),
+        :class:`StoreWriteError` (an ``OSError`` naming the file that could not be written: disk
+        full, read-only store; nothing is published and no new file is left behind).
         """
         self._check_fp(fp)
         if not isinstance(record, dict):
@@ -237,20 +247,34 @@ class ResultsStore:
         finished_at = utc_now()
         record_to_row(body, fingerprint=fp, finished_at=finished_at)  # schema check before publishing
         target = self._unit_json(fp)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        pointer = None
+        data = None
         if per_unit is not None:
             if not isinstance(per_unit, pd.DataFrame):
                 raise TypeError(f"per_unit must be a pandas DataFrame or None, got {type(per_unit).__name__}")
             buf = io.BytesIO()
             pq.write_table(pa.Table.from_pandas(per_unit, preserve_index=False), buf)
             data = buf.getvalue()
-            name = f".{fp}.{uuid.uuid4().hex}.parquet"
-            atomic_write(target.parent / name, lambda fh: fh.write(data), overwrite=False)
-            pointer = {"file": name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "rows": len(per_unit)}
-        envelope = {"version": RECORD_VERSION, "fingerprint": fp, "finished_at": finished_at,
-                    "record": body, "per_unit": pointer}
-        atomic_write_json(target, envelope, overwrite=True)
+        previous = self._envelope(fp)  # its per-unit table is unreferenced once this one is published
+        written, pointer = target, None
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if data is not None:
+                name = f".{fp}.{uuid.uuid4().hex}.parquet"
+                written = target.parent / name
+                atomic_write(written, lambda fh: fh.write(data), overwrite=False)
+                pointer = {"file": name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
+                           "rows": len(per_unit)}
+            envelope = {"version": RECORD_VERSION, "fingerprint": fp, "finished_at": finished_at,
+                        "record": body, "per_unit": pointer}
+            written = target
+            atomic_write_json(target, envelope, overwrite=True)
+        except OSError as exc:
+            if written == target and pointer is not None:  # the envelope failed: its new table is unreferenced
+                (target.parent / pointer["file"]).unlink(missing_ok=True)
+            raise StoreWriteError(exc.errno, f"cannot write {written}: {exc.strerror or exc}") from exc
+        old = (previous or {}).get("per_unit") or {}
+        if old.get("file") and old["file"] != (pointer or {}).get("file"):
+            (target.parent / old["file"]).unlink(missing_ok=True)
         try:
             self._failure_json(fp).unlink()
         except FileNotFoundError:
@@ -264,7 +288,11 @@ class ResultsStore:
             raise TypeError(f"unit must be a dict, got {type(unit).__name__}")
         envelope = {"version": RECORD_VERSION, "fingerprint": fp, "failed_at": utc_now(),
                     "unit": json_safe(unit, nonfinite="string"), "error": str(error)}
-        atomic_write_json(self._failure_json(fp), envelope, overwrite=True)
+        path = self._failure_json(fp)
+        try:
+            atomic_write_json(path, envelope, overwrite=True)
+        except OSError as exc:
+            raise StoreWriteError(exc.errno, f"cannot write {path}: {exc.strerror or exc}") from exc
 
     def stored_fingerprints(self) -> set[str]:
         """Every fingerprint with an envelope file under ``units/`` (complete or not)."""
@@ -313,12 +341,52 @@ class ResultsStore:
             raise TypeError(f"info must be a dict, got {type(info).__name__}")
         return atomic_write_json(self.run_dir(run_id) / "provenance.json", json_safe(info, nonfinite="string"), overwrite=True)
 
+    def overwrite_provenance_in_place(self, run_id: str, info: dict) -> Path:
+        """Last resort when :meth:`write_provenance` fails for lack of space: overwrite the run's
+        existing ``provenance.json`` in place with ``info`` (a compact final state, smaller than the
+        ``running`` version it replaces, so no new blocks are needed). Not atomic: a crash midway can
+        leave a torn file, which readers report (``status --verify``) instead of a run that seems
+        to run forever."""
+        path = self.path / "runs" / self._check_run(run_id) / "provenance.json"
+        data = (json.dumps(json_safe(info, nonfinite="string"), indent=1, sort_keys=True) + "\n").encode("utf-8")
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, data, 0)
+            os.ftruncate(fd, len(data))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return path
+
     def read_provenance(self, run_id: str) -> dict:
         """The provenance dict of ``run_id``; ``KeyError`` if none was written."""
         path = self.path / "runs" / self._check_run(run_id) / "provenance.json"
         if not path.is_file():
             raise KeyError(f"no provenance for run {run_id!r} in {self.path}")
         return json.loads(path.read_text(encoding="utf-8"))
+
+    def mark_stale_runs(self) -> list[str]:
+        """Rewrite the provenance of every run that says ``running`` but whose process (its
+        ``process``: host, pid, start time) is gone on this host as ``interrupted`` (a run killed
+        by SIGKILL or a crash could write nothing). Returns those run ids; runs of other hosts
+        and unwritable stores are left as they are."""
+        marked = []
+        for run_id in self.runs():
+            try:
+                info = self.read_provenance(run_id)
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+                continue
+            proc = info.get("process") if isinstance(info, dict) else None
+            if info.get("state") != "running" or not isinstance(proc, dict) or process_alive(proc) is not False:
+                continue
+            info.update(state="interrupted", reason=f"process {proc.get('pid')} on {proc.get('host')} ended without "
+                                                     f"finishing the run (killed or crashed); noticed {utc_now()}")
+            try:
+                self.write_provenance(run_id, info)
+            except OSError:
+                continue
+            marked.append(run_id)
+        return marked
 
     def runs(self) -> list[str]:
         """Sorted run ids that have a provenance file."""

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 from distributed import Lock
 
+from ..._taskkeys import task_key
 from ...cache import Cache
 from ...store.atomic import atomic_write, atomic_write_json, partial_path
 from ..blocked import gather_or_cancel
@@ -191,7 +192,8 @@ class LargeScopeSearch:
         c = max(1, math.ceil(n / tunables.ROWS_PER_CLUSTER))
         rng = np.random.default_rng([self.seed, 17])
         sample = np.sort(rng.choice(n, size=min(n, tunables.KMEANS_MAX_SAMPLE, max(tunables.KMEANS_MIN_SAMPLE, 48 * c)), replace=False))
-        x = self.client.submit(sample_task, files, sample, rows.tile_rows[sample], pure=False).result()
+        x = self.client.submit(sample_task, files, sample, rows.tile_rows[sample], pure=False,
+                               key=task_key("partition", "sample")).result()
         centroids = spherical_kmeans(x, c, random_state=rng)
         del x
         step = max(1, tunables.CHUNK_BYTES // (dim * 4))
@@ -199,7 +201,7 @@ class LargeScopeSearch:
         cent_f = self.client.scatter(centroids, broadcast=True, hash=False)
         names = [f"chunk-{j:05d}.npy" for j in range(len(bounds))]
         futures = [self.client.submit(chunk_task, files, s, min(n, s + step), cent_f, str(folder / f),
-                                      str(folder / meta_name(f)), pure=False)
+                                      str(folder / meta_name(f)), pure=False, key=task_key("partition", f[:-4]))
                    for s, f in zip(bounds, names)]
         parts = gather_or_cancel(self.client, futures)
         order_pos = np.concatenate([p[0] for p in parts])
@@ -287,7 +289,8 @@ class LargeScopeSearch:
         qv = part.read_positions(qpos)
         qv_f = self.client.scatter(qv, hash=False, broadcast=True)
         q_codes = np.ascontiguousarray(part.codes[:, qpos].T)
-        futures = [self.client.submit(brute_task, layout_f, j, qv_f, q_codes, kinds, k, pure=False)
+        futures = [self.client.submit(brute_task, layout_f, j, qv_f, q_codes, kinds, k, pure=False,
+                                      key=task_key("calibrate", f"chunk{j:05d}"))
                    for j in range(len(part.layout.paths))]
         merged = None
         for found in gather_or_cancel(self.client, futures):
@@ -342,7 +345,7 @@ class LargeScopeSearch:
         futures = []
         for i, b in enumerate(batches):
             futures.append(self.client.submit(search_task, layout_f, b, kinds, k, str(parts_dir / f"part-{i:05d}.npz"),
-                                              pure=False))
+                                              pure=False, key=task_key("search", f"batch{i:05d}")))
         counts = gather_or_cancel(self.client, futures)
         if sum(counts) != n:
             raise RuntimeError(f"large-scope search covered {sum(counts)} of {n} rows")

@@ -1,0 +1,122 @@
+"""Health check of a results store (``cachescore status JOB --verify``); reads only.
+
+:func:`verify_store` walks the store and reports, without changing anything:
+
+* ``corrupt``: an envelope under ``units/`` that does not parse, names another fingerprint, has
+  another record version, or whose per-unit table is missing, of another size or checksum;
+* ``orphan``: a per-unit table no envelope references, or a ``*.partial`` leftover of a crashed
+  writer (``cachescore run`` sweeps those it can prove unreferenced);
+* ``provenance``: a run provenance that does not parse, has no known ``state``, or says
+  ``running`` while its process is gone (``cachescore run`` / ``status`` mark those
+  ``interrupted``);
+* ``lock``: a lock file naming a holder whose process is gone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .atomic import PARTIAL_SUFFIX
+from .lock import LOCK_NAME, StoreLock, process_alive
+from .schema import RECORD_VERSION
+
+__all__ = ["StoreProblem", "verify_store", "RUN_STATES"]
+
+#: Every state a run's provenance can have; only ``running`` is not final.
+RUN_STATES = ("running", "finished", "aborted", "interrupted")
+
+
+@dataclass(frozen=True)
+class StoreProblem:
+    """One finding of :func:`verify_store`: ``kind`` (corrupt | orphan | provenance | lock), the
+    file, and what is wrong with it."""
+
+    kind: str
+    path: str
+    message: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _check_envelope(path: Path) -> str | None:
+    """What is wrong with the envelope at ``path`` (None: nothing)."""
+    try:
+        env = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return f"envelope does not parse: {exc}"
+    if not isinstance(env, dict):
+        return "envelope is not a JSON object"
+    if env.get("version") != RECORD_VERSION:
+        return f"record version {env.get('version')!r} (this cachescore reads {RECORD_VERSION}); it is recomputed"
+    if env.get("fingerprint") != path.stem:
+        return f"envelope names fingerprint {env.get('fingerprint')!r}, not its file name"
+    pu = env.get("per_unit")
+    if pu is None:
+        return None
+    if not isinstance(pu, dict) or not isinstance(pu.get("file"), str):
+        return "per_unit pointer is malformed"
+    table = path.parent / pu["file"]
+    if not table.is_file():
+        return f"per-unit table {table.name} is missing"
+    data = table.read_bytes()
+    if len(data) != pu.get("bytes"):
+        return f"per-unit table {table.name} has {len(data)} bytes, the envelope says {pu.get('bytes')}"
+    if hashlib.sha256(data).hexdigest() != pu.get("sha256"):
+        return f"per-unit table {table.name} does not match its sha256 checksum"
+    return None
+
+
+def _referenced_tables(units: Path) -> set[Path]:
+    found = set()
+    for env_path in units.glob("*/*.json"):
+        try:
+            pu = json.loads(env_path.read_text(encoding="utf-8")).get("per_unit")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+            continue
+        if isinstance(pu, dict) and isinstance(pu.get("file"), str):
+            found.add(env_path.parent / pu["file"])
+    return found
+
+
+def verify_store(store_path) -> list[StoreProblem]:
+    """Every problem found in the results store at ``store_path`` (empty list: healthy); see the
+    module docstring. A missing store has no problems (nothing was scored yet)."""
+    root = Path(store_path)
+    problems: list[StoreProblem] = []
+    units = root / "units"
+    if units.is_dir():
+        for env_path in sorted(units.glob("*/*.json")):
+            if env_path.name.startswith("."):
+                continue
+            why = _check_envelope(env_path)
+            if why:
+                problems.append(StoreProblem("corrupt", str(env_path), why))
+        referenced = _referenced_tables(units)
+        for table in sorted(units.glob("*/.*.parquet")):
+            if table not in referenced:
+                problems.append(StoreProblem("orphan", str(table), "per-unit table referenced by no envelope"))
+    if root.is_dir():
+        for leftover in sorted(root.rglob(f"*{PARTIAL_SUFFIX}")):
+            problems.append(StoreProblem("orphan", str(leftover), "leftover of an interrupted write"))
+    for prov in sorted((root / "runs").glob("*/provenance.json")) if (root / "runs").is_dir() else []:
+        try:
+            info = json.loads(prov.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            problems.append(StoreProblem("provenance", str(prov), f"does not parse: {exc}"))
+            continue
+        state = info.get("state") if isinstance(info, dict) else None
+        if state not in RUN_STATES:
+            problems.append(StoreProblem("provenance", str(prov), f"unknown run state {state!r}"))
+        elif state == "running" and process_alive(info.get("process") or {}) is False:
+            problems.append(StoreProblem("provenance", str(prov), "says 'running' but its process "
+                                         f"{(info.get('process') or {}).get('pid')} is gone (an interrupted run)"))
+    if (root / LOCK_NAME).is_file():
+        holder, _ = StoreLock(root, "verify").holder()
+        if holder and process_alive(holder) is False:
+            problems.append(StoreProblem("lock", str(root / LOCK_NAME), f"names run {holder.get('run_id')} whose "
+                                         f"process {holder.get('pid')} is gone (the next run takes it over)"))
+    return problems
