@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import distributed
 import pytest
 
 from cachescore.cache import Cache, make_demo_cache
@@ -191,6 +192,13 @@ def test_cluster_large_scope_units(tmp_path, cache_root, dask_subprocess_cluster
     units = plan_job(job).done
     assert {u.params.get("engine") for u in units} == {"distributed"}
     assert not any((Path(job.store) / "scratch" / "large").glob("*"))
+    with distributed.Client(addr) as client:  # the dashboard's task groups name phase and unit
+        prefixes = set(client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.task_prefixes)))
+    for u in units:  # the unit that builds a shared partition / table names its tasks
+        for phase in ("partition", "search"):
+            assert any(p.startswith(f"{phase}.{u.encoder}.{u.view}.") for p in prefixes), (phase, sorted(prefixes))
+    if backend == "ann":
+        assert any(p.startswith("calibrate.") for p in prefixes), sorted(prefixes)
     stored = scores_by_fp(job.store)
     cache = Cache(job.cache)
     for unit in units:

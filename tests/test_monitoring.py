@@ -179,3 +179,32 @@ def test_monitoring_examples_use_only_exported_series():
     assert used and used <= emitted, used - emitted
     scrape = yaml.safe_load((root / "prometheus.yml").read_text())
     assert scrape["scrape_configs"][0]["metrics_path"] == "/metrics" and scrape["rule_files"] == ["alerts.yaml"]
+
+
+def test_run_sweeps_provably_abandoned_leftovers(demo, tmp_path):
+    """Under the store lock, ``run`` deletes old ``*.partial`` files and old per-unit tables no
+    envelope references; young ones (a writer may still be at work) and referenced ones stay."""
+    import io
+
+    from cachescore.jobs import load_job
+    from cachescore.pipeline import run_job
+
+    root = tmp_path / "copy"
+    shutil.copytree(demo.path.parent, root)
+    (root / "demo.toml").write_text((root / "demo.toml").read_text().replace(str(demo.path.parent), str(root)))
+    store = root / "store"
+    folder = sorted((store / "units").glob("*/"))[0]
+    old_partial, old_orphan = folder / ".x.json.1-a.partial", folder / ".abcdef.1234.parquet"
+    young_partial = folder / ".y.json.2-b.partial"
+    for f in (old_partial, old_orphan, young_partial):
+        f.write_bytes(b"x")
+    hour_ago = time.time() - 3600
+    for f in (old_partial, old_orphan):
+        os.utime(f, (hour_ago, hour_ago))
+    referenced = len(list((store / "units").glob("*/.*.parquet"))) - 1
+    out = io.StringIO()
+    summary = run_job(load_job(root / "demo.toml"), processes=False, out=out)
+    assert summary.executed == 0 and "swept 2 leftover file(s)" in out.getvalue()
+    assert not old_partial.exists() and not old_orphan.exists() and young_partial.exists()
+    assert len(list((store / "units").glob("*/.*.parquet"))) == referenced
+    assert ResultsStore(store).read_provenance(summary.run_id)["state"] == "finished"
