@@ -476,13 +476,23 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("-v", "--verbose", action="store_true", help="also one line per finished unit")
     w.set_defaults(func=_cmd_watch)
 
-    i = sub.add_parser("import", help="build a cache from .npy/.h5 files and a tile manifest")
+    i = sub.add_parser("import", help="build a cache from .npy/.h5 files and a tile manifest or slide table",
+                       description="Import embeddings into a cache. With --layout per_slide and a slide table (one row "
+                                   "per slide, no sample_id column; e.g. TRIDENT / CLAM feature folders with one .h5 per "
+                                   "slide holding 'features' and 'coords') the tiles are derived from each slide's "
+                                   "file: x, y from coords, sample_id = <slide>:<x>_<y>, slide columns repeated per "
+                                   "tile. Importing into an existing tileset with the identical manifest adds the "
+                                   "given encoders (a new encoder needs no flag; identical bytes are a no-op). Every "
+                                   "input is checked before anything is written: a failed import leaves the cache "
+                                   "as it was.")
     i.add_argument("cache", help="cache folder to create or extend")
-    i.add_argument("--tileset", required=True, help="name of the tileset to create")
-    i.add_argument("--manifest", required=True, help="tile manifest (CSV or Parquet): sample_id, image_path, ...")
+    i.add_argument("--tileset", required=True, help="tileset to create, or to add encoders to (identical manifest)")
+    i.add_argument("--manifest", required=True,
+                   help="tile manifest (CSV or Parquet: sample_id, image_path, ...) or, with --layout per_slide, a "
+                        "slide table (one row per --slide-column value; label, centre, patient, ... per slide)")
     i.add_argument("--encoder", action="append", metavar="NAME=PATH",
-                   help="per_encoder: one .npy/.h5 aligned with the manifest; per_slide: a folder or "
-                        "'{slide}' pattern (repeatable)")
+                   help="per_encoder: one .npy/.h5 aligned with the manifest; per_slide: a folder of <slide>.h5 / "
+                        "<slide>.npy files or a '{slide}' pattern (repeatable)")
     i.add_argument("--layout", default="per_encoder", choices=["per_encoder", "per_slide"])
     i.add_argument("--slide-column", default="group_id", help="per_slide: manifest column naming the slide")
     i.add_argument("--tile-index-column", default=None, help="per_slide: row of each tile in its slide file")
@@ -490,7 +500,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--view", action="append", metavar="NAME=CONFOUNDER[:DESIGN]",
                    help="also write a view over all manifest rows (repeatable)")
     i.add_argument("--shard-rows", type=int, default=None, help="rows per shard (default: ~64-256 MiB)")
-    i.add_argument("--overwrite", action="store_true", help="replace existing arrays")
+    i.add_argument("--overwrite", action="store_true",
+                   help="replace the given encoders' existing arrays of this tileset (never another encoder's) and "
+                        "the given views")
     i.set_defaults(func=_cmd_import)
 
     rp = sub.add_parser("report", help="write the HTML report (leaderboards, distributions, failures, provenance)")

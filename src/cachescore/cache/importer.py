@@ -19,21 +19,29 @@ anything is written; embeddings are streamed shard by shard, so memory is bounde
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from pathlib import Path
 from typing import Mapping
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 
-from ..manifest import coerce_manifest
+from ..store.atomic import atomic_replace_dir
 from .errors import AlignmentError, CacheError, CacheNotFoundError, LayoutError
-from .layout import FLOAT_DTYPES, check_name
+from .layout import FLOAT_DTYPES, check_name, embeddings_dir, tiles_path, view_sidecar_path
 from .reader import Cache
 from .writer import (
+    VIEW_REQUIRED,
     _rows,
+    blank_rows,
     normalize_ids,
-    write_embeddings_blocks,
+    parquet_table,
+    stage_embeddings_blocks,
+    tileset_frame,
     write_tileset,
     write_view,
 )
@@ -132,6 +140,22 @@ class _Source:
                 data = np.asarray(dset[uniq])  # h5py needs increasing indices
         return self._native(data[inverse])
 
+    def coords(self) -> np.ndarray | None:
+        """The ``coords`` dataset of an ``.h5`` slide file (TRIDENT / CLAM: ``(n_tiles, 2)`` level-0
+        x, y), as int64 when integral; None for ``.npy`` files or h5 files without one."""
+        if self.kind != "h5":
+            return None
+        with self._h5() as fh:
+            if "coords" not in fh:
+                return None
+            raw = np.asarray(fh["coords"])
+        if raw.ndim != 2 or raw.shape[1] != 2 or raw.shape[0] != self.shape[0]:
+            raise LayoutError(f"{self.what}: {self.path} dataset 'coords' has shape {raw.shape}; expected "
+                              f"({self.shape[0]}, 2), one (x, y) per row of {self.h5_dataset!r}")
+        if np.issubdtype(raw.dtype, np.floating) and np.all(np.isfinite(raw)) and np.all(raw == np.round(raw)):
+            raw = raw.astype(np.int64)
+        return raw.astype(np.int64) if np.issubdtype(raw.dtype, np.integer) else raw
+
     def slice(self, lo: int, hi: int) -> np.ndarray:
         if self.kind == "npy":
             return self._native(self._npy()[lo:hi])
@@ -168,6 +192,151 @@ def _slide_paths(spec, slides: list[str], *, encoder: str) -> dict[str, Path]:
     return out
 
 
+#: Columns a slide table must not have: the importer derives them from the slide files.
+_DERIVED = ("sample_id", "tile_index", "x", "y")
+
+
+def read_manifest(manifest, *, text_columns=("sample_id", "image_path")) -> tuple[pd.DataFrame, str]:
+    """``(frame, source)`` of a manifest given as a DataFrame or a ``.csv`` / ``.parquet`` path.
+
+    CSV columns keep their inferred types (integer columns stay integers, e.g. ``x``, ``y``,
+    ``tile_index``) except ``text_columns``, read as text. Raises :class:`CacheNotFoundError` (no
+    such file), :class:`CacheError` (a folder, an unsupported suffix, not UTF-8), naming the path.
+    """
+    if isinstance(manifest, pd.DataFrame):
+        return manifest, "manifest"
+    if not isinstance(manifest, (str, os.PathLike)):
+        raise TypeError(f"manifest must be a pandas DataFrame or a path, got {type(manifest).__name__}")
+    path = Path(manifest)
+    source = f"manifest {path}"
+    if path.is_dir():
+        raise CacheError(f"{source} is a folder; give the tile or slide table (.csv or .parquet)")
+    if not path.is_file():
+        raise CacheNotFoundError(f"manifest not found: {path}")
+    suffix = path.suffix.lower()
+    if suffix in {".parquet", ".pq"}:
+        return pd.read_parquet(path), source
+    if suffix != ".csv":
+        raise CacheError(f"{source}: unsupported file type {suffix!r}; use .csv or .parquet")
+    try:
+        header = pd.read_csv(path, nrows=0, encoding="utf-8").columns
+        frame = pd.read_csv(path, encoding="utf-8", keep_default_na=False,
+                            dtype={c: str for c in header if c in set(text_columns)})
+    except UnicodeDecodeError as exc:
+        raise CacheError(f"{source} is not UTF-8 text ({exc.reason} at byte {exc.start}); save it as UTF-8") from None
+    except pd.errors.ParserError as exc:
+        raise CacheError(f"{source} is not a readable CSV table: {exc}") from None
+    return frame, source
+
+
+def is_slide_table(frame: pd.DataFrame, slide_column: str) -> bool:
+    """A manifest with one row per slide (no ``sample_id``; ``slide_column`` unique), as opposed to a
+    tile manifest."""
+    return ("sample_id" not in frame.columns and slide_column in frame.columns
+            and not frame[slide_column].astype(str).str.strip().duplicated().any())
+
+
+def _slide_coords(first: _Source, other: _Source, slide: str, encoder: str, first_name: str):
+    if other.shape[0] != first.shape[0]:
+        raise AlignmentError(f"slide {slide!r}: encoder {encoder!r} has {other.shape[0]} tiles ({other.path}) but "
+                             f"encoder {first_name!r} has {first.shape[0]} ({first.path}); every encoder needs the "
+                             "same tiles per slide")
+    a, b = first.coords(), other.coords()
+    if a is not None and b is not None and not np.array_equal(a, b):
+        bad = int(np.flatnonzero(np.any(a != b, axis=1))[0])
+        raise AlignmentError(f"slide {slide!r}: encoder {encoder!r} ({other.path}) has coords {b[bad].tolist()} at "
+                             f"tile {bad}, encoder {first_name!r} ({first.path}) has {a[bad].tolist()}; the "
+                             "encoders' tiles must be the same tiles in the same order")
+
+
+def tiles_from_slides(frame: pd.DataFrame, *, slide_column: str, encoders: Mapping[str, object], h5_dataset: str,
+                      source: str) -> pd.DataFrame:
+    """The tile manifest of a slide table: one row per tile of each slide's feature file.
+
+    The first encoder's file of each slide gives the tiles: ``tile_index`` (row in the file),
+    ``x``, ``y`` (its ``coords``, when every slide file has them), ``sample_id`` =
+    ``<slide>:<x>_<y>`` (or ``<slide>:<tile_index>`` without coords) and ``image_path`` =
+    ``<slide's image_path, else the slide id>#<tile_index>`` (encoder-independent, so adding an
+    encoder later finds the identical manifest); every slide column is repeated on its
+    tiles, dtypes kept. Every other encoder must have the same tile count and coords per slide.
+    Raises :class:`CacheError` (a derived column already in the table), :class:`CacheNotFoundError`
+    (a slide file missing, naming slide and encoder), :class:`AlignmentError` (tile counts or coords
+    differ, naming slide and encoders), :class:`LayoutError` (unreadable files).
+    """
+    clash = [c for c in _DERIVED if c in frame.columns]
+    if clash:
+        raise CacheError(f"{source}: a slide table must not have columns {clash}: the importer derives them from "
+                         "the slide files (give a tile manifest with sample_id instead to set them yourself)")
+    slides = [str(s) for s in normalize_ids(frame[slide_column], source=source, column=slide_column)]
+    names = list(encoders)
+    paths = {name: _slide_paths(encoders[name], slides, encoder=name) for name in names}
+    counts, coords = [], []
+    for s in slides:
+        first = _Source(paths[names[0]][s], h5_dataset=h5_dataset, what=f"encoder {names[0]!r}, slide {s!r}")
+        for name in names[1:]:
+            other = _Source(paths[name][s], h5_dataset=h5_dataset, what=f"encoder {name!r}, slide {s!r}")
+            _slide_coords(first, other, s, name, names[0])
+        counts.append(first.shape[0])
+        coords.append(first.coords())
+    counts = np.asarray(counts, dtype=np.int64)
+    empty = np.flatnonzero(counts == 0)
+    if empty.size:
+        raise AlignmentError(f"{source}: slide {slides[empty[0]]!r} has no tiles in {paths[names[0]][slides[empty[0]]]}")
+    codes = np.repeat(np.arange(len(slides)), counts)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    tile_index = np.arange(int(counts.sum()), dtype=np.int64) - starts[codes]
+    tiles = frame.iloc[codes].reset_index(drop=True)
+    slide_ids = pd.Series(np.asarray(slides, dtype=object)[codes])
+    tiles["tile_index"] = tile_index
+    if all(c is not None for c in coords):
+        xy = np.concatenate(coords)
+        tiles["x"], tiles["y"] = xy[:, 0], xy[:, 1]
+        sample_id = slide_ids + ":" + pd.Series(xy[:, 0]).astype(str) + "_" + pd.Series(xy[:, 1]).astype(str)
+    else:
+        sample_id = slide_ids + ":" + pd.Series(tile_index).astype(str)
+    # the slide's image file when the table names it, else the slide id: never an encoder's feature file,
+    # so the manifest (and its checksum) is the same whichever encoders are imported with it
+    base = tiles["image_path"].astype(str) if "image_path" in frame.columns else slide_ids
+    tiles["image_path"] = base + "#" + pd.Series(tile_index).astype(str)
+    tiles.insert(0, "sample_id", sample_id.to_numpy(dtype=object))
+    return tiles
+
+
+def _same_table(path: Path, table: pa.Table) -> str | None:
+    """None if the Parquet file at ``path`` holds exactly ``table``, else what differs first."""
+    try:
+        old = pq.read_table(path).replace_schema_metadata(None)
+    except (pa.ArrowException, OSError) as exc:
+        return f"the existing {path.name} cannot be read: {exc}"
+    if old.equals(table):
+        return None
+    if old.column_names != table.column_names:
+        return f"columns {old.column_names} vs {table.column_names}"
+    if old.num_rows != table.num_rows:
+        return f"{old.num_rows} tiles vs {table.num_rows}"
+    for name in table.column_names:
+        a, b = old.column(name), table.column(name)
+        if not a.equals(b):
+            if a.type != b.type:
+                return f"column {name!r} is {a.type} there, {b.type} here"
+            diff = np.flatnonzero(np.asarray(a.to_pandas() != b.to_pandas()))
+            row = int(diff[0]) if diff.size else 0
+            return f"column {name!r} differs first at row {row} ({a[row].as_py()!r} vs {b[row].as_py()!r})"
+    return "the schemas differ"
+
+
+def _same_arrays(target: Path, meta: dict) -> bool:
+    """Whether the published embeddings at ``target`` hold the same bytes as a staged ``meta``."""
+    try:
+        old = json.loads((target / "meta.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    keys = ("shape", "dtype", "sample_ids_sha256")
+    return all(old.get(k) == meta.get(k) for k in keys) and [
+        (sh.get("rows"), sh.get("sha256")) for sh in old.get("shards", [])] == [
+        (sh["rows"], sh["sha256"]) for sh in meta["shards"]]
+
+
 def import_cache(
     root,
     *,
@@ -183,23 +352,35 @@ def import_cache(
     overwrite: bool = False,
     validate: bool = True,
 ) -> Cache:
-    """Import arrays + a tile manifest into the cache at ``root``; return the :class:`Cache`.
+    """Import arrays + a tile (or slide) manifest into the cache at ``root``; return the :class:`Cache`.
 
     Parameters
     ----------
-    tileset : name of the tileset to create (one row per manifest row).
-    manifest : DataFrame or path (``.csv``/``.parquet``) with ``sample_id`` (unique), ``image_path``
-        and any metadata; under ``per_slide`` also ``slide_column`` (and ``tile_index_column``).
+    tileset : the tileset to create, or to add encoders to (its tile manifest must then be identical).
+    manifest : DataFrame or path (``.csv``/``.parquet``). A **tile manifest** has ``sample_id``
+        (unique), ``image_path`` and any metadata; under ``per_slide`` also ``slide_column`` (and
+        ``tile_index_column``). A **slide table** (``per_slide``, no ``sample_id``, one row per
+        ``slide_column`` value) is expanded into tiles from each slide's feature file
+        (:func:`tiles_from_slides`: ``coords`` give ``x``, ``y``, slide columns are repeated).
     encoders : encoder name -> ``.npy``/``.h5`` path (``per_encoder``) or folder / ``{slide}``
         pattern / mapping slide -> path (``per_slide``).
     views : optional ``{view: {"confounder_column": str, "design": str | None}}``; each view is the
         manifest's rows in order (use :func:`write_view` for views that select or repeat rows).
+    overwrite : replace the given encoders' existing arrays of this tileset (never another
+        encoder's, never a different tile manifest) and the given views.
     validate : re-read every written array with :meth:`Cache.validate_embeddings`.
 
+    Atomic: every input is read and checked (NaN rows included) into staging folders inside the
+    cache before anything is published; a failure removes them and leaves the cache as it was, so a
+    retry needs no flag. Adding an encoder to an existing tileset with an identical manifest just
+    adds it; re-importing identical bytes is a no-op.
+
     Raises ``ValueError`` (bad layout/names), :class:`CacheNotFoundError` (a file missing),
-    :class:`LayoutError` (not 2-D, non-float dtype, unreadable, dims/dtypes differ across slides),
-    :class:`AlignmentError` (row counts/tile indices do not match the manifest),
-    :class:`NonFiniteError` (NaN/inf rows, by manifest row), ``FileExistsError`` (exists, no ``overwrite``).
+    :class:`CacheError` (a different manifest for an existing tileset, a folder given where a file
+    is expected, a non-UTF-8 manifest), :class:`LayoutError` (not 2-D, non-float dtype, unreadable,
+    dims/dtypes differ across slides), :class:`AlignmentError` (row counts, tile indices or coords do
+    not match), :class:`NonFiniteError` (NaN/inf rows, by manifest row), ``FileExistsError`` (an
+    encoder's different arrays or a view exist, no ``overwrite``).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
@@ -208,86 +389,151 @@ def import_cache(
         raise ValueError("encoders must be a non-empty mapping encoder name -> file(s)")
     for name in encoders:
         check_name("encoder", name)
-    frame = coerce_manifest(manifest).reset_index(drop=True)
-    source = f"manifest {manifest}" if not isinstance(manifest, pd.DataFrame) else "manifest"
+    for view in views or {}:
+        check_name("view", view)
+    frame, source = read_manifest(manifest, text_columns=("sample_id", "image_path", slide_column))
+    frame = frame.reset_index(drop=True)
+    if layout == "per_slide" and is_slide_table(frame, slide_column):
+        frame = tiles_from_slides(frame, slide_column=slide_column, encoders=encoders, h5_dataset=h5_dataset,
+                                  source=source)
+        tile_index_column = "tile_index"
     missing = [c for c in ("sample_id", "image_path") if c not in frame.columns]
     if missing:
-        raise CacheError(f"{source}: missing required columns {missing}")
+        hint = (f" (a slide table needs --layout per_slide and a unique --slide-column, here {slide_column!r})"
+                if "sample_id" in missing else "")
+        raise CacheError(f"{source}: missing required columns {missing}{hint}")
     n = len(frame)
+    plans = _read_plans(frame, source, encoders, layout=layout, slide_column=slide_column,
+                        tile_index_column=tile_index_column, h5_dataset=h5_dataset)
+    root = Path(root)
+    out = tileset_frame(tileset, frame)
+    tiles_file = tiles_path(root, tileset)
+    if tiles_file.is_file():
+        diff = _same_table(tiles_file, parquet_table(out, string_columns=("sample_id", "image_path"),
+                                                     source=f"tileset {tileset!r}"))
+        if diff:
+            raise CacheError(f"tileset {tileset!r} already exists in {root} with a different tile manifest ({diff}); "
+                             "encoders can be added only with the identical manifest: import into a new tileset")
+    for view, options in (views or {}).items():
+        if view_sidecar_path(root, view).exists() and not overwrite:
+            raise FileExistsError(f"view {view!r} already exists in {root}; pass --overwrite to replace it")
+        _check_view_columns(frame, view, str(dict(options).get("confounder_column", "")).strip(), source)
+    ids = out["sample_id"].to_numpy(dtype=object)
+    staged: dict[str, Path] = {}
+    unchanged: list[str] = []
+    try:
+        for name, (dim, dtype, read_block) in plans.items():
+            staging, meta = stage_embeddings_blocks(root, name, tileset, ids=ids, n_rows=n, dim=dim, dtype=dtype,
+                                                    read_block=read_block, shard_rows=shard_rows,
+                                                    source=f"encoder {name!r} (rows are {source} rows)")
+            target = embeddings_dir(root, name, tileset)
+            if target.exists() and _same_arrays(target, meta):
+                shutil.rmtree(staging, ignore_errors=True)  # identical bytes: nothing to do
+                unchanged.append(name)
+                continue
+            staged[name] = staging
+            if target.exists() and not overwrite:
+                raise FileExistsError(f"encoder {name!r} already has different embeddings for tileset {tileset!r} "
+                                      f"({target}); pass --overwrite to replace this encoder's arrays (no other "
+                                      "encoder is touched)")
+    except BaseException:
+        for staging in staged.values():
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    # publication: every input has been read and checked; the manifest first, then each encoder by rename
+    if not tiles_file.is_file():
+        write_tileset(root, tileset, frame)
+    for name, staging in staged.items():
+        atomic_replace_dir(staging, embeddings_dir(root, name, tileset), overwrite=True)
+    for view, options in (views or {}).items():
+        options = dict(options)
+        confounder, design = options.pop("confounder_column"), options.pop("design", None)
+        if options:
+            raise ValueError(f"view {view!r}: unknown options {sorted(options)}")
+        write_view(root, view, frame, tileset=tileset, confounder_column=confounder, design=design,
+                   overwrite=overwrite)
+    cache = Cache(root)
+    if validate:
+        for name in staged:
+            cache.validate_embeddings(name, tileset)
+    return cache
 
+
+def _check_view_columns(frame: pd.DataFrame, view: str, confounder: str, source: str) -> None:
+    """A view over every manifest row needs ``label``, ``group_id`` and its confounder column,
+    none blank or null: checked before anything is written (rows named)."""
+    for column in (*VIEW_REQUIRED[1:], confounder):
+        if not column or column not in frame.columns:
+            raise CacheError(f"view {view!r}: the {source} has no column {column!r} (a view needs "
+                             f"{list(VIEW_REQUIRED[1:])} and its confounder column)")
+        blank = blank_rows(frame[column])
+        if blank.size:
+            raise CacheError(f"view {view!r}: column {column!r} of the {source} is blank or null at {blank.size} "
+                             f"row(s): {_rows(blank)}")
+
+
+def _read_plans(frame: pd.DataFrame, source: str, encoders: Mapping[str, object], *, layout: str, slide_column: str,
+                tile_index_column: str | None, h5_dataset: str) -> dict[str, tuple]:
+    """Per encoder ``(dim, dtype, read_block)`` after checking every file against the manifest."""
+    n = len(frame)
     plans: dict[str, tuple] = {}
     if layout == "per_encoder":
         for name, path in encoders.items():
+            if Path(path).is_dir():
+                raise CacheError(f"encoder {name!r}: {path} is a folder; per-slide feature folders (one file per "
+                                 "slide, e.g. TRIDENT or CLAM output) need --layout per_slide and --slide-column")
             src = _Source(Path(path), h5_dataset=h5_dataset, what=f"encoder {name!r}")
             if src.shape[0] != n:
                 raise AlignmentError(f"encoder {name!r}: {src.path} has {src.shape[0]} rows but the {source} has {n}; "
                                      "row i must be the embedding of manifest row i")
             plans[name] = (src.shape[1], src.dtype, src.slice)
+        return plans
+    if slide_column not in frame.columns:
+        raise CacheError(f"{source}: missing slide column {slide_column!r} (set slide_column=...)")
+    slide_of = normalize_ids(frame[slide_column], source=source, column=slide_column)
+    codes, slides = pd.factorize(pd.Series(slide_of))
+    slides = [str(s) for s in slides]
+    if tile_index_column is None:
+        tile_index = pd.Series(codes).groupby(codes).cumcount().to_numpy(dtype=np.int64)
     else:
-        if slide_column not in frame.columns:
-            raise CacheError(f"{source}: missing slide column {slide_column!r} (set slide_column=...)")
-        slide_of = normalize_ids(frame[slide_column], source=source, column=slide_column)
-        codes, slides = pd.factorize(pd.Series(slide_of))
-        slides = [str(s) for s in slides]
+        if tile_index_column not in frame.columns:
+            raise CacheError(f"{source}: missing tile index column {tile_index_column!r}")
+        raw = pd.to_numeric(frame[tile_index_column], errors="coerce")
+        bad = np.flatnonzero(raw.isna().to_numpy() | (raw.to_numpy() < 0) | (raw.to_numpy() % 1 != 0))
+        if bad.size:
+            raise CacheError(f"{source}: column {tile_index_column!r} must hold non-negative integers; bad rows {_rows(bad)}")
+        tile_index = raw.to_numpy().astype(np.int64)
+    counts = np.bincount(codes, minlength=len(slides))
+    for name, spec in encoders.items():
+        paths = _slide_paths(spec, slides, encoder=name)
+        sources = [_Source(paths[s], h5_dataset=h5_dataset, what=f"encoder {name!r}, slide {s!r}") for s in slides]
+        dims = {src.shape[1] for src in sources}
+        dtypes = {src.dtype for src in sources}
+        if len(dims) != 1 or len(dtypes) != 1:
+            first = sources[0]
+            odd = next(i for i, src in enumerate(sources) if (src.shape[1], src.dtype) != (first.shape[1], first.dtype))
+            raise LayoutError(f"encoder {name!r}: slide files disagree on dim {sorted(dims)} or dtype "
+                              f"{sorted(str(d) for d in dtypes)}; every slide of one encoder needs the same "
+                              f"(slide {slides[0]!r}: {first.path} has dim {first.shape[1]}, {first.dtype}; "
+                              f"slide {slides[odd]!r}: {sources[odd].path} has dim {sources[odd].shape[1]}, "
+                              f"{sources[odd].dtype})")
+        file_rows = np.asarray([src.shape[0] for src in sources], dtype=np.int64)
         if tile_index_column is None:
-            tile_index = pd.Series(codes).groupby(codes).cumcount().to_numpy(dtype=np.int64)
+            off = np.flatnonzero(file_rows != counts)
+            if off.size:
+                s = off[0]
+                raise AlignmentError(f"encoder {name!r}: slide {slides[s]!r} file {sources[s].path} has "
+                                     f"{file_rows[s]} rows but the {source} lists {counts[s]} tiles for it "
+                                     f"(give tile_index_column= if the manifest holds a subset of tiles)")
         else:
-            if tile_index_column not in frame.columns:
-                raise CacheError(f"{source}: missing tile index column {tile_index_column!r}")
-            raw = pd.to_numeric(frame[tile_index_column], errors="coerce")
-            bad = np.flatnonzero(raw.isna().to_numpy() | (raw.to_numpy() < 0) | (raw.to_numpy() % 1 != 0))
-            if bad.size:
-                raise CacheError(f"{source}: column {tile_index_column!r} must hold non-negative integers; bad rows {_rows(bad)}")
-            tile_index = raw.to_numpy().astype(np.int64)
-        counts = np.bincount(codes, minlength=len(slides))
-        for name, spec in encoders.items():
-            paths = _slide_paths(spec, slides, encoder=name)
-            sources = [_Source(paths[s], h5_dataset=h5_dataset, what=f"encoder {name!r}, slide {s!r}") for s in slides]
-            dims = {src.shape[1] for src in sources}
-            dtypes = {src.dtype for src in sources}
-            if len(dims) != 1 or len(dtypes) != 1:
-                first = sources[0]
-                odd = next(i for i, src in enumerate(sources) if (src.shape[1], src.dtype) != (first.shape[1], first.dtype))
-                raise LayoutError(f"encoder {name!r}: slide files disagree on dim {sorted(dims)} or dtype "
-                                  f"{sorted(str(d) for d in dtypes)}; every slide of one encoder needs the same "
-                                  f"(slide {slides[0]!r}: {first.path} has dim {first.shape[1]}, {first.dtype}; "
-                                  f"slide {slides[odd]!r}: {sources[odd].path} has dim {sources[odd].shape[1]}, "
-                                  f"{sources[odd].dtype})")
-            file_rows = np.asarray([src.shape[0] for src in sources], dtype=np.int64)
-            if tile_index_column is None:
-                off = np.flatnonzero(file_rows != counts)
-                if off.size:
-                    s = off[0]
-                    raise AlignmentError(f"encoder {name!r}: slide {slides[s]!r} file {sources[s].path} has "
-                                         f"{file_rows[s]} rows but the {source} lists {counts[s]} tiles for it "
-                                         f"(give tile_index_column= if the manifest holds a subset of tiles)")
-            else:
-                over = np.flatnonzero(tile_index >= file_rows[codes])
-                if over.size:
-                    r = over[0]
-                    raise AlignmentError(f"{source}: rows {_rows(over)} have {tile_index_column} beyond their slide "
-                                         f"file (row {r}: index {tile_index[r]}, {sources[codes[r]].path} has "
-                                         f"{file_rows[codes[r]]} rows)")
-            plans[name] = (dims.pop(), dtypes.pop(), _slide_reader(sources, codes, tile_index))
-
-    write_tileset(root, tileset, frame, overwrite=overwrite)
-    for name, (dim, dtype, read_block) in plans.items():
-        write_embeddings_blocks(root, name, tileset, n_rows=n, dim=dim, dtype=dtype, read_block=read_block,
-                                shard_rows=shard_rows, overwrite=overwrite,
-                                source=f"encoder {name!r} (rows are {source} rows)")
-    for view, options in (views or {}).items():
-        options = dict(options)
-        write_view(root, view, frame, tileset=tileset, confounder_column=options.pop("confounder_column"),
-                   design=options.pop("design", None), overwrite=overwrite)
-        if options:
-            raise ValueError(f"view {view!r}: unknown options {sorted(options)}")
-    cache = Cache(root)
-    if validate:
-        for name in plans:
-            cache.validate_embeddings(name, tileset)
-    return cache
-
-
+            over = np.flatnonzero(tile_index >= file_rows[codes])
+            if over.size:
+                r = over[0]
+                raise AlignmentError(f"{source}: rows {_rows(over)} have {tile_index_column} beyond their slide "
+                                     f"file (row {r}: index {tile_index[r]}, {sources[codes[r]].path} has "
+                                     f"{file_rows[codes[r]]} rows)")
+        plans[name] = (dims.pop(), dtypes.pop(), _slide_reader(sources, codes, tile_index))
+    return plans
 def _slide_reader(sources: list[_Source], codes: np.ndarray, tile_index: np.ndarray):
     """``read_block(lo, hi)`` over manifest rows, gathering from each touched slide file once."""
 

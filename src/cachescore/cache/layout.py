@@ -52,7 +52,7 @@ SIDECAR_VERSION = 1
 #: Embedding dtypes a cache may hold (croma computes in the features' float dtype).
 FLOAT_DTYPES = ("float16", "float32", "float64")
 #: Names of encoders, tilesets and views: a path component, no dot prefix, no separators.
-_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+=@-]*$")
+_NAME = re.compile(r"\A[A-Za-z0-9_][A-Za-z0-9_.+=@-]*\Z")  # \Z: no trailing newline ($ would accept one)
 
 
 def check_name(kind: str, name: object) -> str:

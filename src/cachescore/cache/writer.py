@@ -114,6 +114,19 @@ def _write_parquet(path: Path, frame: pd.DataFrame, *, string_columns: tuple[str
 
     With ``digest`` the file is serialised in memory first and ``(sha256 hex, size in bytes)`` of
     exactly the published bytes is returned (None otherwise)."""
+    table = parquet_table(frame, string_columns=string_columns, source=source)
+    if not digest:
+        atomic_write(path, lambda fh: pq.write_table(table, fh), overwrite=overwrite)
+        return None
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    data = sink.getvalue()
+    atomic_write(path, lambda fh: fh.write(data), overwrite=overwrite)
+    return hashlib.sha256(data).hexdigest(), int(data.size)
+
+
+def parquet_table(frame: pd.DataFrame, *, string_columns: tuple[str, ...], source: str) -> pa.Table:
+    """``frame`` as the Arrow table :func:`_write_parquet` stores (explicit schema, no metadata)."""
     fields = []
     for name in frame.columns:
         if not isinstance(name, str):
@@ -130,14 +143,7 @@ def _write_parquet(path: Path, frame: pd.DataFrame, *, string_columns: tuple[str
         table = pa.Table.from_pandas(frame, schema=schema, preserve_index=False).replace_schema_metadata(None)
     except (pa.ArrowException, TypeError, ValueError) as exc:
         raise CacheError(f"{source}: cannot convert to Parquet with schema {schema}: {exc}") from exc
-    if not digest:
-        atomic_write(path, lambda fh: pq.write_table(table, fh), overwrite=overwrite)
-        return None
-    sink = pa.BufferOutputStream()
-    pq.write_table(table, sink)
-    data = sink.getvalue()
-    atomic_write(path, lambda fh: fh.write(data), overwrite=overwrite)
-    return hashlib.sha256(data).hexdigest(), int(data.size)
+    return table
 
 
 def write_tileset(root, tileset: str, frame: pd.DataFrame, *, overwrite: bool = False) -> Path:
@@ -171,6 +177,28 @@ def write_tileset(root, tileset: str, frame: pd.DataFrame, *, overwrite: bool = 
     out["image_path"] = _strip_strings(out["image_path"])
     _write_parquet(path, out, string_columns=("sample_id", "image_path"), overwrite=overwrite, source=source)
     return path
+
+
+def tileset_frame(tileset: str, frame: pd.DataFrame) -> pd.DataFrame:
+    """The frame :func:`write_tileset` would store (normalised ids, checked), without writing it:
+    the importer compares it with an existing tileset's. Raises like :func:`write_tileset`."""
+    check_name("tileset", tileset)
+    source = f"tileset {tileset!r}"
+    missing = [c for c in ("sample_id", "image_path") if c not in frame.columns]
+    if missing:
+        raise ViewError(f"{source}: missing required columns {missing}")
+    if "row" in frame.columns:
+        raise ViewError(f"{source}: column 'row' is reserved (cachescore adds it when reading views)")
+    ids = normalize_ids(frame["sample_id"], source=source)
+    dup = pd.Series(ids).duplicated(keep=False).to_numpy()
+    if dup.any():
+        where = np.flatnonzero(dup)
+        raise ViewError(f"{source}: column 'sample_id' must be unique; duplicates at rows {_rows(where)} "
+                        f"(e.g. {ids[where[0]]!r})")
+    out = frame.reset_index(drop=True).copy()
+    out["sample_id"] = ids
+    out["image_path"] = _strip_strings(out["image_path"])
+    return out
 
 
 def _tileset_ids(root: Path, tileset: str) -> np.ndarray:
@@ -212,9 +240,39 @@ def write_embeddings_blocks(
     """Stream an embedding array into row shards; ``read_block(start, stop)`` returns rows
     ``start:stop`` as an array of shape ``(stop - start, dim)`` and ``dtype``.
 
-    This is the engine of :func:`write_embeddings` and of the importer; memory is bounded by one
-    copy step, not by ``n_rows``. Raises like :func:`write_embeddings`.
+    This is the engine of :func:`write_embeddings`; memory is bounded by one copy step, not by
+    ``n_rows``. Stages with :func:`stage_embeddings_blocks`, then publishes by rename. Raises like
+    :func:`write_embeddings`.
     """
+    root = Path(root)
+    target = embeddings_dir(root, check_name("encoder", encoder), check_name("tileset", tileset))
+    if target.exists() and not overwrite:
+        raise FileExistsError(f"{target} already exists; pass overwrite=True to replace it")
+    staging, _ = stage_embeddings_blocks(root, encoder, tileset, ids=_tileset_ids(root, tileset), n_rows=n_rows,
+                                         dim=dim, dtype=dtype, read_block=read_block, shard_rows=shard_rows,
+                                         check_finite=check_finite, source=source)
+    return atomic_replace_dir(staging, target, overwrite=overwrite)
+
+
+def stage_embeddings_blocks(
+    root,
+    encoder: str,
+    tileset: str,
+    *,
+    ids: np.ndarray,
+    n_rows: int,
+    dim: int,
+    dtype,
+    read_block: Callable[[int, int], np.ndarray],
+    shard_rows: int | None = None,
+    check_finite: bool = True,
+    source: str | None = None,
+) -> tuple[Path, dict]:
+    """Write an encoder's shards and ``meta.json`` into a hidden staging folder beside its target
+    (``embeddings/<encoder>/.<tileset>.<pid>-<uuid>.partial``) and return ``(staging, meta)``;
+    the caller publishes it (``atomic_replace_dir``) or removes it. ``ids`` are the tileset's
+    normalised sample ids (the tileset need not be written yet). On any error the staging folder
+    is removed and nothing else was touched. Raises like :func:`write_embeddings`."""
     root = Path(root)
     check_name("encoder", encoder)
     check_name("tileset", tileset)
@@ -222,7 +280,6 @@ def write_embeddings_blocks(
     dtype = np.dtype(dtype)
     if dtype.name not in FLOAT_DTYPES:
         raise LayoutError(f"{source}: dtype must be one of {list(FLOAT_DTYPES)}, got {dtype}; cast explicitly")
-    ids = _tileset_ids(root, tileset)
     if int(n_rows) != len(ids):
         raise AlignmentError(f"{source}: has {n_rows} rows but tileset {tileset!r} has {len(ids)} tiles; "
                              "row i must be the embedding of tiles.parquet row i")
@@ -231,8 +288,6 @@ def write_embeddings_blocks(
     if int(shard_rows) < 1:
         raise ValueError(f"shard_rows must be a positive int, got {shard_rows!r}")
     target = embeddings_dir(root, encoder, tileset)
-    if target.exists() and not overwrite:
-        raise FileExistsError(f"{target} already exists; pass overwrite=True to replace it")
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.with_name(f".{tileset}.{os.getpid()}-{uuid.uuid4().hex}{PARTIAL_SUFFIX}")
     staging.mkdir()
@@ -258,7 +313,7 @@ def write_embeddings_blocks(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return atomic_replace_dir(staging, target, overwrite=overwrite)
+    return staging, meta
 
 
 def _write_shard(path: Path, start: int, stop: int, dim: int, dtype: np.dtype, read_block, *, check_finite: bool, source: str) -> str:

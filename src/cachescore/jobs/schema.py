@@ -478,4 +478,6 @@ def load_job(path: str | Path) -> Job:
         doc = tomllib.loads(p.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as exc:
         raise JobError(f"{p}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise JobError(f"{p}: not UTF-8 text ({exc.reason} at byte {exc.start}); job files are UTF-8 TOML") from None
     return parse_job(doc, path=p)

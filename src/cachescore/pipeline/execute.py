@@ -165,6 +165,15 @@ class _Watchdog:
                                            f"{self.no_workers_timeout:g}): {self._counts(done, pending)}")
 
 
+def _result(fut, watchdog: _Watchdog, done: int, pending: int):
+    """``fut.result()``, checking the watchdog every second while it is not available."""
+    while True:
+        try:
+            return fut.result(timeout=1.0)
+        except TimeoutError:
+            watchdog.check(done, pending)
+
+
 def _record_client_failure(store, unit, run_id, err: str) -> None:
     """Record a failure seen by the client (a task that erred, a unit invalid at planning)."""
     ident = unit.unit if hasattr(unit, "unit") else unit.describe()  # an InvalidUnit has only its identity
@@ -233,9 +242,10 @@ def execute_plan(plan: Plan, client, *, store=None, retries: int = 2, out: TextI
             else:
                 try:
                     # a finished task whose small result was lost with its worker (a cancelled or
-                    # preempted worker job) is recomputed by the scheduler: wait for it
-                    res = fut.result()
-                except (KeyboardInterrupt, SystemExit, RunInterrupted):
+                    # preempted worker job) is recomputed by the scheduler: wait for it, with the
+                    # watchdog on (no worker may be left to recompute it)
+                    res = _result(fut, watchdog, len(ended), len(futures) - len(ended))
+                except (KeyboardInterrupt, SystemExit, RunInterrupted, RunAborted):
                     raise
                 except BaseException as exc:  # noqa: BLE001 - erred after its retries; CancelledError (scheduler lost)
                     if not watchdog.connected():  # not the unit's failure: the scheduler went away

@@ -52,8 +52,8 @@ from .schema import (
 
 __all__ = ["ResultsStore", "StoreError", "CorruptRecordError", "StoreWriteError"]
 
-_FP = re.compile(r"^[0-9a-f]{16,128}$")
-_RUN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:+=@-]*$")
+_FP = re.compile(r"\A[0-9a-f]{16,128}\Z")
+_RUN = re.compile(r"\A[A-Za-z0-9_][A-Za-z0-9_.:+=@-]*\Z")
 _STORE_META = {"format": "cachescore.results", "version": STORE_LAYOUT_VERSION}
 
 

@@ -1,0 +1,194 @@
+"""Real cache layouts in: TRIDENT / CLAM per-slide ``.h5`` folders imported from a slide table,
+encoders added later, atomic imports, and the names and files bad input gets (issue 15)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+h5py = pytest.importorskip("h5py")
+
+from cachescore.cache import Cache  # noqa: E402
+from cachescore.cache.importer import import_cache  # noqa: E402
+from cachescore.cli import main  # noqa: E402
+
+N_SLIDES = 12
+DIM = 8
+
+
+def _features(encoder: int, slide: int, n: int) -> np.ndarray:
+    rng = np.random.default_rng([encoder, slide])
+    return rng.standard_normal((n, DIM + 4 * encoder)).astype(np.float32)
+
+
+def _trident(root: Path, encoders=(0, 1, 2)) -> tuple[Path, dict, dict]:
+    """A TRIDENT-style folder per encoder (``<slide>.h5``: ``features``, ``coords``), slides of
+    different tile counts, and a slide CSV (slide_id, label as int, centre, patient)."""
+    counts = {f"S{i:02d}": 5 + 3 * i for i in range(N_SLIDES)}
+    folders = {}
+    for e in encoders:
+        folder = root / f"feats_enc{e}"
+        folder.mkdir(parents=True)
+        for k, (slide, n) in enumerate(counts.items()):
+            with h5py.File(folder / f"{slide}.h5", "w") as fh:
+                fh["features"] = _features(e, k, n)
+                fh["coords"] = np.stack([np.arange(n) * 256, np.full(n, 512 * k)], axis=1).astype(np.int64)
+        folders[f"enc{e}"] = folder
+    slides = pd.DataFrame({"slide_id": list(counts), "label": [i % 2 for i in range(N_SLIDES)],
+                           "centre": ["A", "B", "C"] * (N_SLIDES // 3), "patient": [f"P{i // 2}" for i in range(N_SLIDES)]})
+    slides.to_csv(root / "slides.csv", index=False)
+    return root / "slides.csv", folders, counts
+
+
+def _tree(root: Path) -> dict:
+    """Every file under ``root`` with its sha256 (the cache's state, byte for byte)."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _import_args(cache, csv, folders, names):
+    args = ["import", str(cache), "--tileset", "tiles", "--layout", "per_slide", "--manifest", str(csv),
+            "--slide-column", "slide_id"]
+    for name in names:
+        args += ["--encoder", f"{name}={folders[name]}"]
+    return args
+
+
+def test_slide_table_import_then_add_an_encoder(tmp_path, capsys):
+    csv, folders, counts = _trident(tmp_path / "src")
+    cache = tmp_path / "cache"
+    assert main(_import_args(cache, csv, folders, ["enc0", "enc1"])) == 0
+    c = Cache(cache)
+    tiles = c.read_tileset("tiles")
+    assert len(tiles) == sum(counts.values())
+    assert tiles["x"].dtype == np.int64 and tiles["y"].dtype == np.int64 and tiles["label"].dtype == np.int64
+    assert tiles["tile_index"].dtype == np.int64
+    first = tiles[tiles["slide_id"] == "S03"]
+    assert first["sample_id"].iloc[1] == "S03:256_1536" and first["centre"].unique().tolist() == ["A"]
+    assert first["image_path"].iloc[1] == "S03#1"  # no encoder's file: the manifest is encoder-independent
+    for e in (0, 1):
+        emb = c.load_rows(f"enc{e}", "tiles", np.arange(len(tiles)))
+        expected = np.concatenate([_features(e, k, n) for k, n in enumerate(counts.values())])
+        np.testing.assert_array_equal(emb, expected)
+    before = _tree(cache)
+    # a third encoder lands: added without --overwrite, the first two stay byte-identical
+    assert main(_import_args(cache, csv, folders, ["enc2"])) == 0
+    after = _tree(cache)
+    assert {k: v for k, v in after.items() if k in before} == before
+    assert any(k.startswith("embeddings/enc2/") for k in after)
+    assert sorted(Cache(cache).encoders()) == ["enc0", "enc1", "enc2"]
+    # re-importing identical bytes is a no-op (no flag needed)
+    assert main(_import_args(cache, csv, folders, ["enc0", "enc2"])) == 0
+    assert _tree(cache) == after
+
+
+def test_a_different_manifest_or_different_arrays_are_refused(tmp_path):
+    csv, folders, _ = _trident(tmp_path / "src", encoders=(0, 1))
+    cache = tmp_path / "cache"
+    assert main(_import_args(cache, csv, folders, ["enc0"])) == 0
+    state = _tree(cache)
+    edited = pd.read_csv(csv)
+    edited.loc[2, "centre"] = "Z"
+    edited.to_csv(tmp_path / "edited.csv", index=False)
+    with pytest.raises(Exception, match=r"tileset 'tiles' already exists .* different tile manifest \(column 'centre' "
+                                        r"differs first at row \d+"):
+        import_cache(cache, tileset="tiles", manifest=tmp_path / "edited.csv", layout="per_slide",
+                     slide_column="slide_id", encoders={"enc1": folders["enc1"]})
+    # enc0 under enc1's files: different arrays need --overwrite, which replaces only enc0
+    with pytest.raises(FileExistsError, match="encoder 'enc0' already has different embeddings .* pass --overwrite"):
+        import_cache(cache, tileset="tiles", manifest=csv, layout="per_slide", slide_column="slide_id",
+                     encoders={"enc0": folders["enc1"]})
+    assert _tree(cache) == state
+    assert main(_import_args(cache, csv, folders, ["enc1"])) == 0
+    enc1 = {k: v for k, v in _tree(cache).items() if k.startswith("embeddings/enc1/")}
+    assert main(_import_args(cache, csv, {"enc0": folders["enc1"]}, ["enc0"]) + ["--overwrite"]) == 0
+    now = _tree(cache)
+    assert {k: v for k, v in now.items() if k.startswith("embeddings/enc1/")} == enc1
+    np.testing.assert_array_equal(Cache(cache).load_rows("enc0", "tiles", np.arange(5)),
+                                  Cache(cache).load_rows("enc1", "tiles", np.arange(5)))
+
+
+def test_nan_in_the_second_of_three_encoders_leaves_the_cache_unchanged(tmp_path):
+    csv, folders, _ = _trident(tmp_path / "src")
+    cache = tmp_path / "cache"
+    bad = folders["enc1"] / "S04.h5"
+    with h5py.File(bad, "r+") as fh:
+        data = fh["features"][...]
+        data[3, 1] = np.nan
+        fh["features"][...] = data
+    with pytest.raises(ValueError, match=r"encoder 'enc1'.*(NaN|non-finite)"):
+        import_cache(cache, tileset="tiles", manifest=csv, layout="per_slide", slide_column="slide_id",
+                     encoders={k: folders[k] for k in ("enc0", "enc1", "enc2")})
+    assert not cache.exists() or _tree(cache) == {}, _tree(cache)
+    assert not any(cache.rglob("*.partial")) if cache.exists() else True
+    # an existing cache stays exactly as it was
+    assert main(_import_args(cache, csv, folders, ["enc0"])) == 0
+    state = _tree(cache)
+    with pytest.raises(ValueError, match="encoder 'enc1'"):
+        import_cache(cache, tileset="tiles", manifest=csv, layout="per_slide", slide_column="slide_id",
+                     encoders={k: folders[k] for k in ("enc2", "enc1")})
+    assert _tree(cache) == state and not list(cache.rglob("*.partial"))
+    with h5py.File(bad, "r+") as fh:  # fixed: the retry needs no flag
+        data[3, 1] = 0.0
+        fh["features"][...] = data
+    assert main(_import_args(cache, csv, folders, ["enc1", "enc2"])) == 0
+    assert sorted(Cache(cache).encoders()) == ["enc0", "enc1", "enc2"]
+
+
+def test_slides_that_disagree_across_encoders_are_named(tmp_path):
+    csv, folders, counts = _trident(tmp_path / "src", encoders=(0, 1))
+    with h5py.File(folders["enc1"] / "S05.h5", "r+") as fh:
+        coords = fh["coords"][...]
+        coords[2] = [9, 9]
+        fh["coords"][...] = coords
+    with pytest.raises(ValueError, match=r"slide 'S05': encoder 'enc1' .* coords \[9, 9\] at tile 2"):
+        import_cache(tmp_path / "c1", tileset="t", manifest=csv, layout="per_slide", slide_column="slide_id",
+                     encoders=folders)
+    (folders["enc1"] / "S07.h5").unlink()
+    with h5py.File(folders["enc1"] / "S07.h5", "w") as fh:
+        fh["features"] = _features(1, 7, counts["S07"] - 1)
+    with pytest.raises(ValueError, match=r"slide 'S05'|slide 'S07': encoder 'enc1' has \d+ tiles"):
+        import_cache(tmp_path / "c2", tileset="t", manifest=csv, layout="per_slide", slide_column="slide_id",
+                     encoders=folders)
+    (folders["enc1"] / "S09.h5").unlink()
+    with pytest.raises(FileNotFoundError, match=r"encoder 'enc1', slide 'S09'"):
+        import_cache(tmp_path / "c3", tileset="t", manifest=csv, layout="per_slide", slide_column="slide_id",
+                     encoders=folders)
+
+
+def test_bad_names_files_and_views_get_clear_errors(tmp_path, capsys):
+    csv, folders, _ = _trident(tmp_path / "src", encoders=(0,))
+    cache = tmp_path / "cache"
+    with pytest.raises(ValueError, match=r"invalid encoder name 'enc\\n'"):
+        import_cache(cache, tileset="t", manifest=csv, layout="per_slide", slide_column="slide_id",
+                     encoders={"enc\n": folders["enc0"]})
+    # a per-slide folder without --layout per_slide: with a slide table, and with a tile manifest
+    assert main(["import", str(cache), "--tileset", "t", "--manifest", str(csv), "--encoder",
+                 f"enc0={folders['enc0']}"]) == 2
+    err = capsys.readouterr().err
+    assert "missing required columns ['sample_id', 'image_path'] (a slide table needs --layout per_slide" in err
+    pd.DataFrame({"sample_id": ["a", "b"], "image_path": ["a.png", "b.png"], "group_id": ["S00", "S00"]}).to_csv(
+        tmp_path / "tiles.csv", index=False)
+    assert main(["import", str(cache), "--tileset", "t", "--manifest", str(tmp_path / "tiles.csv"), "--encoder",
+                 f"enc0={folders['enc0']}"]) == 2
+    err = capsys.readouterr().err
+    assert "is a folder" in err and "--layout per_slide" in err and "file not found" not in err
+    # a view whose label is blank on some slides: refused before anything is written
+    slides = pd.read_csv(csv)
+    slides["label"] = slides["label"].astype(object)
+    slides.loc[[1, 4], "label"] = ""
+    slides.to_csv(tmp_path / "blank.csv", index=False)
+    with pytest.raises(ValueError, match=r"view 'v': column 'label' .* blank or null at \d+ row\(s\)"):
+        import_cache(cache, tileset="t", manifest=tmp_path / "blank.csv", layout="per_slide", slide_column="slide_id",
+                     encoders=folders, views={"v": {"confounder_column": "centre"}})
+    assert not cache.exists() or _tree(cache) == {}
+    # a job file that is not UTF-8
+    job = tmp_path / "job.toml"
+    job.write_bytes(b"[job]\nname = \"caf\xe9\"\n")
+    assert main(["status", str(job)]) == 2
+    err = capsys.readouterr().err
+    assert str(job) in err and "not UTF-8" in err
