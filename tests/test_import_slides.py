@@ -16,7 +16,7 @@ from cachescore.cache import Cache  # noqa: E402
 from cachescore.cache.importer import import_cache  # noqa: E402
 from cachescore.cli import main  # noqa: E402
 
-N_SLIDES = 12
+N_SLIDES = 24
 DIM = 8
 
 
@@ -192,3 +192,49 @@ def test_bad_names_files_and_views_get_clear_errors(tmp_path, capsys):
     assert main(["status", str(job)]) == 2
     err = capsys.readouterr().err
     assert str(job) in err and "not UTF-8" in err
+
+
+def test_view_from_the_cli_subsamples_reproducibly_and_the_probe_sweep_runs_on_it(tmp_path, capsys):
+    import io
+
+    from cachescore.jobs import parse_job
+    from cachescore.pipeline import run_job
+
+    csv, folders, counts = _trident(tmp_path / "src", encoders=(0, 1))
+    cache = tmp_path / "cache"
+    assert main(_import_args(cache, csv, folders, ["enc0", "enc1"])) == 0
+    capsys.readouterr()
+    view = ["view", str(cache), "--tileset", "tiles", "--confounder", "centre", "--group", "slide_id"]
+    assert main(view + ["--name", "v8", "--rows-per-slide", "8", "--seed", "3"]) == 0
+    out = capsys.readouterr().out
+    small = sorted(s for s, n in counts.items() if n < 8)
+    assert f"dropped {len(small)} slide(s) with fewer than 8 tiles: {small[0]} ({counts[small[0]]})" in out
+    v8 = Cache(cache).read_view("v8")
+    per_slide = v8.groupby("group_id").size()
+    assert set(per_slide) == {8} and sorted(per_slide.index) == sorted(s for s, n in counts.items() if n >= 8)
+    assert main(view + ["--name", "v8", "--rows-per-slide", "8", "--seed", "3", "--overwrite"]) == 0
+    pd.testing.assert_frame_equal(Cache(cache).read_view("v8"), v8)  # same seed, same view
+    assert main(view + ["--name", "v8b", "--rows-per-slide", "8", "--seed", "4"]) == 0
+    assert set(Cache(cache).read_view("v8b")["sample_id"]) != set(v8["sample_id"])
+    assert main(view + ["--name", "vmin", "--rows-per-slide", "8", "--min-rows", "5"]) == 0
+    kept = Cache(cache).read_view("vmin").groupby("group_id").size()
+    assert len(kept) == N_SLIDES and kept[small[0]] == counts[small[0]] and kept.max() == 8
+    assert main(view + ["--name", "vab", "--where", "centre=A", "--where", "centre=B"]) == 0
+    assert set(Cache(cache).read_view("vab")["centre"]) == {"A", "B"}
+    assert main(view + ["--name", "bad", "--label", "nope"]) == 2
+    assert "no column 'nope'" in capsys.readouterr().err
+    # the probe sweep on a rows-per-slide view: exactly N rows per slide, as the sweep needs
+    assert main(view + ["--name", "probe5", "--rows-per-slide", "5"]) == 0
+    doc = {"schema_version": 1,
+           "job": {"cache": str(cache), "store": str(tmp_path / "store"), "views": ["probe5"],
+                   "probe_views": ["probe5"]},
+           "metrics": {"families": ["ri"], "ri": {"k_candidates": [3]}},
+           "probe": {"rows_per_slide": 5, "iterations": 2, "id_filter": {"column": "centre", "values": ["A", "B"]},
+                     "test_sets": {"centre_C": {"column": "centre", "value": "C"}},
+                     "schedule": [{"split_map": [[0, 0, 5], [0, 1, 5], [1, 0, 5], [1, 1, 5]], "max_train_slides": 1},
+                                  {"split_map": [[0, 0, 5], [1, 1, 5]], "max_train_slides": 1}]},
+           "execution": {"n_workers": 1, "dashboard": False, "performance_report": False}}
+    summary = run_job(parse_job(doc, path=tmp_path / "job.toml"), processes=False, out=io.StringIO())
+    assert summary.ok, summary.failures
+    probe = pd.read_parquet(tmp_path / "store" / "probe.parquet")
+    assert set(probe["encoder"]) == {"enc0", "enc1"} and len(probe) > 0

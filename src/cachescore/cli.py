@@ -18,7 +18,10 @@ Commands are thin: parse, call the library, format, return an exit code.
 * ``cachescore compare JOB A B [--view V] [--metric M] [--json]`` – B − A with a paired CI and a verdict.
 * ``cachescore prune JOB [--apply]`` – stale records and abandoned failures (dry run by default).
 * ``cachescore export JOB [--format parquet|csv|json] [-o PATH]`` – the tidy score and probe tables.
-* ``cachescore import …`` – build a cache from ``.npy`` files (:func:`cachescore.cache.import_cache`).
+* ``cachescore import …`` – build a cache from ``.npy`` / ``.h5`` files and a tile manifest or a slide table
+  (:func:`cachescore.cache.import_cache`).
+* ``cachescore view CACHE --tileset T --name V --confounder COL [--rows-per-slide N] …`` – write a view
+  (:func:`cachescore.cache.views.make_view`).
 * ``cachescore demo [DIR]`` – write the self-contained demo job into DIR and run it.
 * ``cachescore schema`` – list every job-file key with its default and meaning.
 """
@@ -35,6 +38,7 @@ from pathlib import Path
 import pandas as pd
 
 from .cache import Cache, import_cache, verify_cache
+from .cache.views import make_view, parse_where
 from .errors import RunAborted, RunInterrupted
 from .jobs import describe_schema, load_job
 from .jobs.schema import CLUSTER_KINDS
@@ -383,6 +387,20 @@ def _cmd_import(args) -> int:
     return 0
 
 
+def _cmd_view(args) -> int:
+    summary = make_view(args.cache, tileset=args.tileset, name=args.name, confounder=args.confounder, label=args.label,
+                        group=args.group, design=args.design, where=parse_where(args.where),
+                        rows_per_slide=args.rows_per_slide, seed=args.seed, min_rows=args.min_rows,
+                        slide_column=args.slide_column, overwrite=args.overwrite)
+    dropped = ""
+    if summary.dropped:
+        few = ", ".join(f"{s} ({n})" for s, n in list(summary.dropped.items())[:5])
+        dropped = (f"; dropped {len(summary.dropped)} slide(s) with fewer than "
+                   f"{args.min_rows or args.rows_per_slide} tiles: {few}{' ...' if len(summary.dropped) > 5 else ''}")
+    print(f"view {args.name}: {summary.rows} rows from {summary.slides} slide(s){dropped} -> {summary.path}")
+    return 0
+
+
 def _cmd_demo(args) -> int:
     workdir = Path(args.dir).resolve()
     (workdir / "jobs").mkdir(parents=True, exist_ok=True)
@@ -504,6 +522,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replace the given encoders' existing arrays of this tileset (never another encoder's) and "
                         "the given views")
     i.set_defaults(func=_cmd_import)
+
+    v = sub.add_parser("view", help="write a view over a tileset: filter tiles, subsample N per slide (seeded)")
+    v.add_argument("cache", help="cache folder")
+    v.add_argument("--tileset", required=True)
+    v.add_argument("--name", required=True, help="name of the view to write")
+    v.add_argument("--confounder", required=True, help="tileset column the scores are robust to (centre, scanner, ...)")
+    v.add_argument("--label", default="label", help="tileset column of the biological label (default: label)")
+    v.add_argument("--group", default="group_id", help="tileset column of the independence group (default: group_id)")
+    v.add_argument("--design", default=None, choices=["all", "paired_2x2"], help="design hint stored with the view")
+    v.add_argument("--where", action="append", metavar="COL=VAL",
+                   help="keep tiles with COL == VAL (repeatable: values of one column are alternatives, columns all "
+                        "must match)")
+    v.add_argument("--rows-per-slide", type=int, default=None, metavar="N",
+                   help="keep exactly N tiles per slide (seeded choice); slides with fewer are dropped and counted")
+    v.add_argument("--seed", type=int, default=0, help="seed of the per-slide choice (default 0)")
+    v.add_argument("--min-rows", type=int, default=None, metavar="M",
+                   help="with --rows-per-slide: keep slides with at least M (< N) tiles whole instead of dropping them")
+    v.add_argument("--slide-column", default=None, help="column naming the slide of --rows-per-slide (default: --group)")
+    v.add_argument("--overwrite", action="store_true", help="replace an existing view of that name")
+    v.set_defaults(func=_cmd_view)
 
     rp = sub.add_parser("report", help="write the HTML report (leaderboards, distributions, failures, provenance)")
     rp.add_argument("job")
