@@ -238,3 +238,72 @@ def test_view_from_the_cli_subsamples_reproducibly_and_the_probe_sweep_runs_on_i
     assert summary.ok, summary.failures
     probe = pd.read_parquet(tmp_path / "store" / "probe.parquet")
     assert set(probe["encoder"]) == {"enc0", "enc1"} and len(probe) > 0
+
+
+
+def _probe_job_file(tmp_path, cache, view, *, rows_per_slide=5, schedule=None, test_value="C",
+                    max_train=(1, 1)) -> Path:
+    """A job file scoring RI and the probe sweep on ``view`` (TOML written by hand: no writer dependency)."""
+    schedule = schedule or [("[[0, 0, 5], [0, 1, 5], [1, 0, 5], [1, 1, 5]]", max_train[0]),
+                            ("[[0, 0, 5], [1, 1, 5]]", max_train[1])]
+    splits = "".join(f"\n[[probe.schedule]]\nsplit_map = {sm}\nmax_train_slides = {m}\n" for sm, m in schedule)
+    text = f"""schema_version = 1
+[job]
+cache = "{cache}"
+store = "{tmp_path / 'store'}"
+views = ["{view}"]
+probe_views = ["{view}"]
+[metrics]
+families = ["ri"]
+[metrics.ri]
+k_candidates = [3]
+[probe]
+rows_per_slide = {rows_per_slide}
+iterations = 2
+id_filter = {{ column = "centre", values = ["A", "B"] }}
+[probe.test_sets.centre_C]
+column = "centre"
+value = "{test_value}"
+{splits}
+[execution]
+n_workers = 1
+dashboard = false
+performance_report = false
+"""
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return path
+
+
+def test_validate_catches_schedule_mistakes_with_counts_before_any_cluster(tmp_path, capsys):
+    csv, folders, _ = _trident(tmp_path / "src", encoders=(0, 1))
+    cache = tmp_path / "cache"
+    assert main(_import_args(cache, csv, folders, ["enc0", "enc1"])) == 0
+    assert main(["view", str(cache), "--tileset", "tiles", "--confounder", "centre", "--group", "slide_id",
+                 "--name", "p5", "--rows-per-slide", "5"]) == 0
+    capsys.readouterr()
+    good = _probe_job_file(tmp_path, cache, "p5")
+    assert main(["validate", str(good)]) == 0
+    out = capsys.readouterr().out
+    assert "probe view p5: ok (slides per confounder/class cell: {'A/0': 4, 'A/1': 4, 'B/0': 4, 'B/1': 4}" in out
+    assert "4 unit(s) to run, 0 up to date, 0 invalid" in out
+    assert not (tmp_path / "store").exists()  # validate writes nothing
+    cases = {
+        "rows_per_slide": (dict(rows_per_slide=10, schedule=[("[[0, 0, 10], [0, 1, 10], [1, 0, 10], [1, 1, 10]]", 1),
+                                                             ("[[0, 0, 10], [1, 1, 10]]", 1)]), "rows_per_slide=10"),
+        "empty test set": (dict(test_value="Z"), "selects no row"),
+        "unequal max_train_slides": (dict(max_train=(1, 2)), "different max_train_slides [1, 2]"),
+        "too many train slides": (dict(max_train=(4, 4)), "leaves no test rows -- the cells are too small for the "
+                                                          "row counts and held-out tail it asks for [slides per "
+                                                          "(confounder/class) cell: {'A/0': 4"),
+    }
+    for name, (kw, expected) in cases.items():
+        path = _probe_job_file(tmp_path, cache, "p5", **kw)
+        assert main(["validate", str(path)]) == 2, name
+        out = capsys.readouterr().out
+        assert "INVALID" in out and expected in out, (name, out[-1500:])
+    # run makes the same checks first: the probe units are refused at once, the metric units still run
+    path = _probe_job_file(tmp_path, cache, "p5", max_train=(1, 2))
+    assert main(["run", str(path), "-q"]) == 1
+    cap = capsys.readouterr()
+    assert "executed 2," in cap.out and "different max_train_slides" in cap.err

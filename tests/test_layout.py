@@ -56,4 +56,4 @@ def test_pipeline_holds_no_engine():
     pipeline = ROOT / "src" / "cachescore" / "pipeline"
     names = sorted(p.name for p in pipeline.glob("*.py"))
     assert names == ["__init__.py", "cluster.py", "execute.py", "plan.py", "probe_unit.py", "prune.py", "status.py",
-                     "unit.py", "watch.py"]
+                     "unit.py", "validate.py", "watch.py"]

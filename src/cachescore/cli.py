@@ -15,6 +15,8 @@ Commands are thin: parse, call the library, format, return an exit code.
   there is new work (:func:`cachescore.pipeline.watch.watch_job`); exit 1 if a unit failed.
 * ``cachescore report JOB [--out HTML]`` – the static HTML report of the job's store
   (:func:`cachescore.report.build_report`).
+* ``cachescore validate JOB`` – plan without a cluster and check everything that can be checked before
+  computing (:mod:`cachescore.pipeline.validate`); a table of the units; exit 0 / 2.
 * ``cachescore compare JOB A B [--view V] [--metric M] [--json]`` – B − A with a paired CI and a verdict.
 * ``cachescore prune JOB [--apply]`` – stale records and abandoned failures (dry run by default).
 * ``cachescore export JOB [--format parquet|csv|json] [-o PATH]`` – the tidy score and probe tables.
@@ -32,6 +34,7 @@ import argparse
 import json
 import signal
 import sys
+import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -46,6 +49,7 @@ from ._jsonsafe import json_safe
 from .pipeline import plan_job, run_job, unit_status
 from .pipeline.execute import build_results
 from .pipeline.prune import prune_store
+from .pipeline.validate import refuse_invalid, validate_plan
 from .store import ResultsStore
 from .store.lock import LOCK_NAME, StoreLock
 from .store.verify import verify_store
@@ -307,6 +311,32 @@ def _cmd_status(args) -> int:
     return 1 if problems or store_problems else 0
 
 
+def _cmd_validate(args) -> int:
+    job = load_job(args.job)
+    if not Path(job.cache).is_dir():
+        print(f"cache not found: {job.cache}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="cachescore-validate-") as empty:  # never creates the job's store
+        store = ResultsStore(job.store) if (Path(job.store) / "store.json").is_file() else ResultsStore(empty)
+        plan = plan_job(job, store=store)
+        checks = validate_plan(plan)
+        refused = refuse_invalid(plan, checks)
+    done = {u.fingerprint for u in plan.done}
+    rows = [{"encoder": u.encoder, "view": u.view, "design": u.design, "metric": u.metric,
+             "state": "up to date" if u.fingerprint in done else "to run"} for u in refused.pending + refused.done]
+    rows += [{"encoder": i.unit.get("encoder"), "view": i.unit.get("view"), "design": i.unit.get("design"),
+              "metric": i.unit.get("metric"), "state": "INVALID", "problem": _short(i.error, 140)} for i in refused.invalid]
+    print(format_table(rows, ["encoder", "view", "design", "metric", "state", "problem"]))
+    for view, check in checks.items():
+        cells = check.counts.get("cells")
+        tail = f": {check.error}" if check.error else ""
+        print(f"probe view {view}: {'FAILED' if check.error else 'ok'} (slides per confounder/class cell: {cells}; "
+              f"test rows: {check.counts.get('test_rows')}){tail}")
+    n_bad = len(refused.invalid)
+    print(f"{len(refused.pending)} unit(s) to run, {len(refused.done)} up to date, {n_bad} invalid")
+    return 2 if n_bad else 0
+
+
 def _cmd_compare(args) -> int:
     job = load_job(args.job)
     store = ResultsStore(job.store)
@@ -459,6 +489,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(per-unit files and checksums, orphans, run states); exit 1 on problems")
     s.add_argument("--json", action="store_true", help="machine-readable status (units with CI, rank and flags)")
     s.set_defaults(func=_cmd_status)
+
+    va = sub.add_parser("validate", help="check a job before computing (views, scopes, probe schedules; counts); "
+                                         "exit 0 when every unit can run, 2 otherwise")
+    va.add_argument("job")
+    va.set_defaults(func=_cmd_validate)
 
     cp = sub.add_parser("compare", help="difference B - A per view x metric with a paired bootstrap CI and a verdict")
     cp.add_argument("job")

@@ -46,6 +46,7 @@ from ..store.lock import StoreLock, this_process
 from .cluster import open_client, open_cluster_client
 from .plan import Plan, UnitKind, code_version, plan_job
 from .unit import drive_large_unit, run_probe_task, run_unit, unit_annotation
+from .validate import refuse_invalid, validate_plan
 
 __all__ = ["RunSummary", "execute_plan", "run_job", "build_results", "publish_results", "ensure_demo_cache", "new_run_id"]
 
@@ -396,6 +397,7 @@ def run_job(job, *, scheduler: str | None = None, out: TextIO | None = sys.stder
     for stale in store.mark_stale_runs():  # warnings reach stderr even when progress is off
         _say(out or sys.stderr, f"run {stale} ended without finishing (its process is gone): marked 'interrupted'")
     plan = plan_job(job, store=store) if plan is None else plan
+    plan = refuse_invalid(plan, validate_plan(plan))  # a schedule mistake costs seconds, not a cluster start
     n_all = len(plan.units) + len(plan.invalid)
     _say(out, f"job {job.name}: {n_all} units, {len(plan.done)} up to date, {len(plan.pending)} to run, "
               f"{len(plan.invalid)} invalid")

@@ -777,6 +777,45 @@ def sweep_arguments(**flat) -> dict:
             "test_sets": flat.get("test_sets")}
 
 
+def _audit_plan(plan, p: SweepParams, ids: SweepIdentities, lab, conf) -> dict:
+    """The split plan's leakage audit (identities only, no embedding content)."""
+    return audit_sweep(
+        plan.jobs, n_rows=plan.n_rows, groups=ids.groups, tile_ids=ids.tile_ids, labels=lab,
+        confounders=conf, test_set_sizes=plan.test_set_sizes, test_set_groups=ids.test_set_groups,
+        test_set_confounders=ids.test_set_confounders, raise_on_leakage=False, protected_level=p.protected_level,
+    )
+
+
+def check_sweep_plan(
+    confounders,
+    labels,
+    *,
+    params: SweepParams,
+    identities: SweepIdentities,
+    test_sets: Mapping[str, tuple[Any, Any]] | None = None,
+) -> tuple[ProbePlan, dict]:
+    """What :func:`evaluate_sweep` checks before any probe exists, without embeddings or fitting
+    (``cachescore validate`` and ``run``'s pre-flight): the sweep's validation catalogue on the
+    split plan (cells, slides per cell, test rows, ...) and the identity leakage audit (raising like
+    ``evaluate_sweep`` with ``fail_on_leakage``). ``test_sets`` values are ``(any array with one row
+    per test row, labels)``. Returns ``(plan, plan_audit)``. Raises ``ValueError`` /
+    :class:`LeakageError`. The content audit (duplicate embeddings) needs the embeddings and runs
+    only in :func:`evaluate_sweep`."""
+    p = params
+    cal._check_n_bins(p.n_bins)
+    n = len(np.asarray(labels))
+    placeholder = np.zeros((n, 1), dtype=np.float32)
+    tests = {k: (np.zeros((len(np.asarray(y)), 1), dtype=np.float32), y) for k, (_, y) in (test_sets or {}).items()}
+    plan, _, lab, named_tests = _prepare(placeholder, confounders, labels, test_sets=tests or None, **p.plan_kwargs())
+    n_classes = _n_classes(lab, named_tests)
+    if p.class_names is not None and len(p.class_names) != n_classes:
+        raise ValueError(f"{len(p.class_names)} class names given for {n_classes} classes")
+    plan_audit = _audit_plan(plan, p, identities, lab, np.asarray(confounders))
+    if p.fail_on_leakage and plan_audit["passed"] is not True:
+        raise LeakageError(_error_message(plan_audit["breaches"]), plan_audit["breaches"], plan_audit)
+    return plan, plan_audit
+
+
 def evaluate_sweep(
     embeddings,
     confounders,
@@ -835,11 +874,7 @@ def evaluate_sweep(
     prob_cols = safe_class_columns(names)
 
     # -- audits on the client, before any task exists
-    plan_audit = audit_sweep(
-        plan.jobs, n_rows=plan.n_rows, groups=groups, tile_ids=tile_ids, labels=lab,
-        confounders=conf, test_set_sizes=plan.test_set_sizes, test_set_groups=test_set_groups,
-        test_set_confounders=test_set_confounders, raise_on_leakage=False, protected_level=p.protected_level,
-    )
+    plan_audit = _audit_plan(plan, p, ids, lab, conf)
     content = audit_content(features, plan.jobs, test_sets={k: v[0] for k, v in named_tests.items()},
                             severity=p.content_audit)
     leak = combine_leakage(plan_audit, content)
