@@ -117,6 +117,8 @@ class InvalidUnit:
     @property
     def label(self) -> str:
         u = self.unit
+        if u.get("metric") == "probe":  # as WorkUnit.label names probe units
+            return f"{u['encoder']}/{u['view']}/probe"
         return f"{u['encoder']}/{u['view']}/{u.get('design', '?')}/{u['metric']}"
 
 
