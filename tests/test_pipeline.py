@@ -473,7 +473,8 @@ def test_probe_units_run_once_and_record_failures(tmp_path):
         ("encA", "short"), ("encA", "v"), ("encB", "short"), ("encB", "v")]
     first = run(job)  # the unfit view's units are refused by the pre-flight checks: recorded, never started
     assert first.executed == 4 and first.succeeded == 4 and len(first.failures) == 2
-    assert all(f["label"].endswith("/short/probe") and "rows_per_slide" in f["error"] for f in first.failures)
+    assert all(f["label"].endswith("/short/probe") and "rows_per_slide" in f["error"] for f in first.failures), \
+        first.failures
 
     scores = ResultsStore(job.store).scores()
     probe = scores[scores["family"] == "probe"]
@@ -495,8 +496,8 @@ def test_probe_units_run_once_and_record_failures(tmp_path):
     for rec in records:  # encB's stored values show in the status
         assert shown[("encB", rec["scope"], rec["metric"])] == pytest.approx(rec["value"], rel=0, abs=0, nan_ok=True)
     assert all("rows_per_slide" in r["detail"] for r in status if r["view"] == "short")
-    second = run(job)
-    assert second.executed == 2 and second.skipped == 4  # only the two unfit units are retried
+    second = run(job)  # the two unfit units are refused again at pre-flight; nothing else runs
+    assert second.executed == 0 and second.skipped == 4 and len(second.failures) == 2
 
 
 

@@ -92,7 +92,7 @@ def refuse_invalid(plan: Plan, checks: dict[str, ViewCheck]) -> Plan:
     if not bad:
         return plan
     moved = [u for u in plan.pending if u.kind is UnitKind.PROBE and u.view in bad]
-    invalid = tuple(InvalidUnit(unit=u.describe(), fingerprint=u.fingerprint, error=f"{u.label}: {bad[u.view]}")
+    invalid = tuple(InvalidUnit(unit=u.describe(), fingerprint=u.fingerprint, error=bad[u.view])
                     for u in moved)
     gone = {u.fingerprint for u in moved}
     keep = tuple(u for u in plan.pending if u.fingerprint not in gone)
