@@ -307,3 +307,24 @@ def test_validate_catches_schedule_mistakes_with_counts_before_any_cluster(tmp_p
     assert main(["run", str(path), "-q"]) == 1
     cap = capsys.readouterr()
     assert "executed 2," in cap.out and "different max_train_slides" in cap.err
+
+
+def test_npy_slide_folders_and_blank_view_values(tmp_path, capsys):
+    """``.npy`` per slide (no coords): tiles are ``<slide>:<tile_index>``; a view over a column with
+    blank values is refused naming the rows."""
+    folder = tmp_path / "npy"
+    folder.mkdir()
+    counts = {"a": 3, "b": 4}
+    for k, (slide, n) in enumerate(counts.items()):
+        np.save(folder / f"{slide}.npy", _features(0, k, n))
+    pd.DataFrame({"slide": ["a", "b"], "label": [0, 1], "centre": ["X", ""]}).to_csv(tmp_path / "s.csv", index=False)
+    cache = tmp_path / "cache"
+    assert main(["import", str(cache), "--tileset", "t", "--layout", "per_slide", "--manifest",
+                 str(tmp_path / "s.csv"), "--slide-column", "slide", "--encoder", f"e={folder}"]) == 0
+    tiles = Cache(cache).read_tileset("t")
+    assert tiles["sample_id"].tolist() == ["a:0", "a:1", "a:2", "b:0", "b:1", "b:2", "b:3"]
+    assert "x" not in tiles.columns and tiles["tile_index"].tolist() == [0, 1, 2, 0, 1, 2, 3]
+    capsys.readouterr()
+    assert main(["view", str(cache), "--tileset", "t", "--name", "v", "--confounder", "centre", "--group", "slide"]) == 2
+    err = capsys.readouterr().err
+    assert "confounder column 'centre' is blank or null at 4 tile(s): tileset rows [3, 4, 5, 6]" in err

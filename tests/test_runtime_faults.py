@@ -108,21 +108,27 @@ def finish(proc: subprocess.Popen, timeout: float) -> int:
             proc.wait(timeout=30)
 
 
+def break_after_first_unit(proc: subprocess.Popen, store: Path, log: Path, breaking, timeout: float = 120):
+    """Once ``proc`` (a run) has stored its first unit, call ``breaking()``; return ``(exit code,
+    seconds from the break to the exit)``. The run is killed if it outlives ``timeout``."""
+    try:
+        wait_for(lambda: n_records(store) >= 1, 120, "the first unit", proc, log)
+        breaking()
+        t0 = time.monotonic()
+        rc = finish(proc, timeout)
+        return rc, time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_all_workers_lost_ends_in_bounded_time(tmp_path, cache):
     with subprocess_cluster(n_workers=1, nanny=False) as cluster:
         store = tmp_path / "store"
         job = write_job(tmp_path, cache, store, no_workers_timeout=5, retries=0)
         log = tmp_path / "run.log"
-        proc = cli("run", job, "--scheduler", cluster.address, log=log)
-        try:
-            wait_for(lambda: n_records(store) >= 1, 120, "the first unit", proc, log)
-            cluster.workers[0].kill()
-            t0 = time.monotonic()
-            rc = finish(proc, 90)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-        waited = time.monotonic() - t0
+        rc, waited = break_after_first_unit(cli("run", job, "--scheduler", cluster.address, log=log), store, log,
+                                            cluster.workers[0].kill)
     text = log.read_text()
     assert rc == 2, text
     assert waited < 60, f"took {waited:.0f} s"
@@ -140,16 +146,8 @@ def test_scheduler_killed_mid_run(tmp_path, cache):
         store = tmp_path / "store"
         job = write_job(tmp_path, cache, store)
         log = tmp_path / "run.log"
-        proc = cli("run", job, "--scheduler", cluster.address, log=log)
-        try:
-            wait_for(lambda: n_records(store) >= 1, 120, "the first unit", proc, log)
-            cluster.scheduler.kill()
-            t0 = time.monotonic()
-            rc = finish(proc, 120)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-        waited = time.monotonic() - t0
+        rc, waited = break_after_first_unit(cli("run", job, "--scheduler", cluster.address, log=log), store, log,
+                                            cluster.scheduler.kill)
     text = log.read_text()
     assert rc == 2, text
     assert waited < 60, f"took {waited:.0f} s"
@@ -165,13 +163,7 @@ def test_interrupt_finishes_what_is_complete(tmp_path, cache, signum):
     job = write_job(tmp_path, cache, store)
     log = tmp_path / "run.log"
     proc = cli("run", job, log=log)
-    try:
-        wait_for(lambda: n_records(store) >= 1, 120, "the first unit", proc, log)
-        proc.send_signal(signum)
-        rc = finish(proc, 90)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    rc, _ = break_after_first_unit(proc, store, log, lambda: proc.send_signal(signum), timeout=90)
     text = log.read_text()
     assert rc == 128 + signum, text
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
@@ -192,13 +184,7 @@ def test_sigkill_is_noticed_by_status_and_the_next_run(tmp_path, cache):
     job = write_job(tmp_path, cache, store)
     log = tmp_path / "run.log"
     proc = cli("run", job, log=log)
-    try:
-        wait_for(lambda: n_records(store) >= 1, 120, "the first unit", proc, log)
-        proc.kill()
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    break_after_first_unit(proc, store, log, proc.kill, timeout=30)
     (prov,) = provenances(store)
     assert prov["state"] == "running"  # SIGKILL can write nothing
     status = run_cli("status", job)

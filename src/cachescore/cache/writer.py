@@ -156,25 +156,11 @@ def write_tileset(root, tileset: str, frame: pd.DataFrame, *, overwrite: bool = 
     Raises ``ValueError`` (bad name), :class:`ViewError` (missing column, blank or duplicate
     sample_id, naming rows), ``FileExistsError`` (exists and not ``overwrite``). Returns the path.
     """
-    check_name("tileset", tileset)
+    if not isinstance(frame, pd.DataFrame):
+        raise TypeError(f"tileset {tileset!r}: frame must be a pandas DataFrame, got {type(frame).__name__}")
+    out = tileset_frame(tileset, frame)
     path = tiles_path(Path(root), tileset)
     source = f"tileset {tileset!r}"
-    if not isinstance(frame, pd.DataFrame):
-        raise TypeError(f"{source}: frame must be a pandas DataFrame, got {type(frame).__name__}")
-    missing = [c for c in ("sample_id", "image_path") if c not in frame.columns]
-    if missing:
-        raise ViewError(f"{source}: missing required columns {missing}")
-    if "row" in frame.columns:
-        raise ViewError(f"{source}: column 'row' is reserved (cachescore adds it when reading views)")
-    ids = normalize_ids(frame["sample_id"], source=source)
-    dup = pd.Series(ids).duplicated(keep=False).to_numpy()
-    if dup.any():
-        where = np.flatnonzero(dup)
-        raise ViewError(f"{source}: column 'sample_id' must be unique; duplicates at rows {_rows(where)} "
-                        f"(e.g. {ids[where[0]]!r})")
-    out = frame.reset_index(drop=True).copy()
-    out["sample_id"] = ids
-    out["image_path"] = _strip_strings(out["image_path"])
     _write_parquet(path, out, string_columns=("sample_id", "image_path"), overwrite=overwrite, source=source)
     return path
 
