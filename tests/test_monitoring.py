@@ -208,3 +208,43 @@ def test_run_sweeps_provably_abandoned_leftovers(demo, tmp_path):
     assert not old_partial.exists() and not old_orphan.exists() and young_partial.exists()
     assert len(list((store / "units").glob("*/.*.parquet"))) == referenced
     assert ResultsStore(store).read_provenance(summary.run_id)["state"] == "finished"
+
+
+def test_held_capture_survives_a_foreign_catch_warnings_on_another_thread():
+    """The CI flake this fixes: a library's ``catch_warnings`` block on another thread (sklearn in a
+    probe task) that starts before a unit's capture and ends during it restored pytest's ``error``
+    filter under the capturing unit, so its RuntimeWarning raised. With the hold in place (as on
+    every worker and in-process cluster) the warning is captured instead."""
+    import threading
+    import warnings
+
+    from cachescore._warncapture import captured_warnings, hold_capture
+
+    def straddle(entered, release):
+        with warnings.catch_warnings():  # saves the filters in effect now
+            entered.set()
+            release.wait(5)
+        # leaving restores them, while the other thread captures
+
+    def unit(capturing, restored, out):
+        with captured_warnings() as caught:
+            capturing.set()
+            restored.wait(5)
+            warnings.warn("support is 97%", RuntimeWarning)
+        out.extend(caught)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # as under pytest
+        with hold_capture():
+            entered, capturing, release = threading.Event(), threading.Event(), threading.Event()
+            caught: list = []
+            a = threading.Thread(target=straddle, args=(entered, release))
+            a.start()
+            entered.wait(5)
+            b = threading.Thread(target=unit, args=(capturing, release, caught))
+            b.start()
+            capturing.wait(5)
+            release.set()
+            a.join(5)
+            b.join(5)
+        assert [str(w.message) for w in caught] == ["support is 97%"]

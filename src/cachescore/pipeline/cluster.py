@@ -20,6 +20,7 @@ from distributed import Client, LocalCluster
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from .._threads import THREAD_ENV, single_thread_blas
+from .._warncapture import hold_capture
 
 __all__ = ["SingleThreadBLAS", "open_client", "open_cluster_client", "batch_cluster_kwargs", "kubernetes_manifests",
            "THREAD_ENV"]
@@ -42,6 +43,8 @@ class SingleThreadBLAS(WorkerPlugin):
     def setup(self, worker):  # noqa: D401 - plugin hook
         if os.getpid() == self.client_pid:
             return
+        self._hold = hold_capture()  # per-unit warning capture stays reliable for the worker's life
+        self._hold.__enter__()
         for k, v in THREAD_ENV.items():
             os.environ.setdefault(k, v)
         os.environ.setdefault("NUMBA_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "cachescore-numba"))
@@ -57,6 +60,10 @@ class SingleThreadBLAS(WorkerPlugin):
         limits = getattr(self, "_limits", None)
         if limits is not None:
             limits.restore_original_limits()
+        hold = getattr(self, "_hold", None)
+        if hold is not None:
+            self._hold = None
+            hold.__exit__(None, None, None)
 
 
 def _worker_environment() -> dict:
@@ -204,7 +211,10 @@ def open_client(scheduler: str | None = None, *, n_workers: int = 2, memory_limi
         kwargs["env"] = dict(THREAD_ENV)
     else:  # in-process workers talk over inproc://, no network address
         kwargs.pop("host")
-    with _scheduler_config_restored(), LocalCluster(**kwargs) as cluster, \
+    # in-process workers (processes=False) share this process's warnings state: hold the per-unit
+    # capture installed for the cluster's life (see cachescore._warncapture)
+    hold = contextlib.nullcontext() if processes else hold_capture()
+    with _scheduler_config_restored(), hold, LocalCluster(**kwargs) as cluster, \
             Client(cluster, set_as_default=False) as client:
         client.register_plugin(SingleThreadBLAS())
         yield client

@@ -30,9 +30,7 @@ import os
 import threading
 import time
 import traceback
-import warnings
 from collections import defaultdict
-from contextlib import contextmanager
 from datetime import datetime, timezone
 
 import dask
@@ -41,6 +39,7 @@ import pandas as pd
 from distributed import worker_client
 
 from .._taskkeys import ANNOTATION
+from .._warncapture import captured_warnings
 from .._threads import single_thread_blas
 from ..cache import Cache
 from ..errors import DATA_ERRORS, UnscorableError
@@ -256,57 +255,6 @@ def load_unit_inputs(unit) -> tuple[np.ndarray, pd.DataFrame]:
     rows = manifest["row"].to_numpy(dtype=np.int64)
     features = cache.load_rows(unit.encoder, unit.tileset, rows)
     return features, manifest
-
-
-_WARN_LOCK = threading.Lock()
-_WARN_LOCAL = threading.local()
-_WARN_STATE: dict = {"depth": 0, "guard": None, "show": None}
-
-
-def _show_on_thread(message, category, filename, lineno, file=None, line=None):
-    sink = getattr(_WARN_LOCAL, "sink", None)
-    if sink is None:  # a thread that is not capturing: what was installed before
-        _WARN_STATE["show"](message, category, filename, lineno, file, line)
-    else:
-        sink.append(warnings.WarningMessage(message, category, filename, lineno, file, line))
-
-
-@contextmanager
-def captured_warnings():
-    """Record every warning raised **on this thread** into the yielded list (``WarningMessage``).
-
-    ``warnings.catch_warnings`` swaps process-wide state, which breaks when units share a process:
-    large-scope units are driven concurrently on threads of the client process
-    (:func:`drive_large_unit`), and a worker with several threads runs several unit tasks. One
-    unit's exit would restore the filters (e.g. ``error``) while another still computes, and
-    warnings would land in the wrong record. Here the first capturing thread installs an
-    ``always`` filter and a dispatcher that appends to the raising thread's own list; the last
-    one to leave restores the previous state. Threads that are not capturing keep the previous
-    ``showwarning``.
-    """
-    sink: list = []
-    with _WARN_LOCK:
-        if _WARN_STATE["depth"] == 0:
-            guard = warnings.catch_warnings()
-            guard.__enter__()
-            warnings.simplefilter("always")
-            _WARN_STATE.update(guard=guard, show=warnings.showwarning)
-            warnings.showwarning = _show_on_thread
-        _WARN_STATE["depth"] += 1
-    previous = getattr(_WARN_LOCAL, "sink", None)
-    _WARN_LOCAL.sink = sink
-    try:
-        yield sink
-    finally:
-        _WARN_LOCAL.sink = previous
-        if previous is not None:
-            previous.extend(sink)
-        with _WARN_LOCK:
-            _WARN_STATE["depth"] -= 1
-            if _WARN_STATE["depth"] == 0:
-                guard = _WARN_STATE["guard"]
-                _WARN_STATE.update(guard=None, show=None)
-                guard.__exit__(None, None, None)
 
 
 def run_unit(unit, run_id: str | None = None) -> dict:
