@@ -43,11 +43,14 @@ OUT_OF_CORE = "distributed"
 BACKEND_NAMES = ("exact", "ann", "auto")
 
 #: ``auto`` switches to ``ann`` when a scope's exact search costs more than this many
-#: multiply-adds (``n² · d``): 40,000 rows at d = 768. Measured on the 2-core development box
-#: (``benchmarks/cache_scale.py``, shared machine): exact cross-group ~ n²·d / 5e10 s (24 s at
-#: 40k × 768); ann (ivf) 15 s at 40k (×1.6), 33 s at 100k (×4.5 vs ~150 s extrapolated), 8 s vs
-#: 11 s at 20k (×1.4, where the fixed costs — k-means, calibration, audit — still weigh). Below
-#: this size the gain is small and exact results are worth more.
+#: multiply-adds (``n² · d``): 40,000 rows at d = 768. Measured on the 2-core development box,
+#: cross-group kNN, k = 21, make_scale_cache rows (``benchmarks/peers.py``, 2026-12-02): exact
+#: 1.4 s at 20k and 32.3 s at 100k × 768 (~ n²·d / 2.3e11 s: each pair once, both cores); ann
+#: (ivf) 2.9 s at 20k and 14.7 s at 100k (~1.5e-4 s per row: k-means, calibration and the recall
+#: audit included). The two cross near 44,000 rows at d = 768 (1.5e12 multiply-adds); the
+#: threshold stays at 1.2e12, inside that figure's noise, because below it exact results are worth
+#: more than a small gain. (An earlier comment here extrapolated ~150 s for exact at 100k; measured
+#: 32–44 s.)
 DEFAULT_AUTO_THRESHOLD = 1.2e12
 
 # name -> (module, cross-group function, typed function), relative to this package
