@@ -14,6 +14,7 @@ valid store, and the next run executes only the units without a result.
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import queue
@@ -117,6 +118,24 @@ def _start(unit, client, drivers, *, bundles, run_id, retries):
         return client.submit(run_unit, unit, run_id, key=key, retries=retries, pure=False)
 
 
+#: Loggers whose reconnect tracebacks follow a lost scheduler; silenced once the run says so itself.
+_RECONNECT_LOGGERS = ("distributed.client", "distributed.comm", "distributed.core")
+_QUIETED: dict = {}
+
+
+def _quiet_reconnect_logs() -> None:
+    for name in _RECONNECT_LOGGERS:
+        log = logging.getLogger(name)
+        _QUIETED.setdefault(name, log.level)
+        log.setLevel(logging.CRITICAL)
+
+
+def _restore_logs() -> None:
+    while _QUIETED:
+        name, level = _QUIETED.popitem()
+        logging.getLogger(name).setLevel(level)
+
+
 class _Watchdog:
     """Checks, while no unit ends, that the run can still make progress (called about once a
     second by :func:`execute_plan`): the scheduler is connected (else, after ``grace_s`` of
@@ -144,10 +163,13 @@ class _Watchdog:
         self.last_check = now
         if not self.connected():
             self.disconnected_since = self.disconnected_since or now
+            _quiet_reconnect_logs()  # the run says what happened itself (or reconnects: logs back below)
             if force or now - self.disconnected_since >= self.grace_s:
                 raise RunAborted("scheduler-lost", f"lost the Dask scheduler at {self.address} "
                                                    f"(client {self.client.status}): {self._counts(done, pending)}")
             return
+        if self.disconnected_since is not None:
+            _restore_logs()
         self.disconnected_since = None
         try:
             n_workers = len(self.client.nthreads())
@@ -166,13 +188,34 @@ class _Watchdog:
                                            f"{self.no_workers_timeout:g}): {self._counts(done, pending)}")
 
 
-def _result(fut, watchdog: _Watchdog, done: int, pending: int):
-    """``fut.result()``, checking the watchdog every second while it is not available."""
-    while True:
-        try:
-            return fut.result(timeout=1.0)
-        except TimeoutError:
-            watchdog.check(done, pending)
+class _AbandonedGatherFilter(logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" for distributed's internal ``AllExit``
+    sentinel: distributed leaves it in a gather it abandons (a result re-fetched after its worker
+    died, then recomputed); asyncio would print it with a traceback at exit. Nothing else is
+    touched."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (exc is not None and type(exc).__name__ == "AllExit"
+                    and type(exc).__module__.startswith("distributed"))
+
+
+def _ignore_abandoned_gathers() -> None:
+    log = logging.getLogger("asyncio")
+    if not any(isinstance(f, _AbandonedGatherFilter) for f in log.filters):
+        log.addFilter(_AbandonedGatherFilter())
+
+
+def _result_lost(client, fut) -> bool:
+    """Whether a finished task's result is held by no worker any more (its worker died after it
+    finished). Fetching it then would block until the scheduler has recomputed it, with no watchdog
+    and possibly no worker left; the caller waits for the recomputation instead."""
+    if fut.status != "finished":
+        return False
+    try:
+        return not client.who_has([fut]).get(fut.key)
+    except Exception:  # noqa: BLE001 - the scheduler is gone: fetching fails fast and says so
+        return False
 
 
 def _record_client_failure(store, unit, run_id, err: str) -> None:
@@ -225,7 +268,7 @@ def execute_plan(plan: Plan, client, *, store=None, retries: int = 2, out: TextI
             monitor.finish_unit(unit.fingerprint, status)
         progress.unit_done(unit.label, "done" if status["status"] == "done" else "FAILED", status.get("seconds"))
 
-    succeeded, failures = 0, []
+    succeeded, failures, fetch_errors = 0, [], {}
     try:
         for u in sorted(pending, key=lambda u: u.kind is UnitKind.LARGE):  # tasks first, then drivers
             fut = _start(u, client, drivers, bundles=plan.job.bundles, run_id=run_id, retries=retries)
@@ -240,17 +283,30 @@ def execute_plan(plan: Plan, client, *, store=None, retries: int = 2, out: TextI
             unit = units[futures[fut]]
             if isinstance(fut, LocalFuture):
                 res = fut.result()  # drive_large_unit records its own failures and never raises
+            elif _result_lost(client, fut):
+                # its small result was lost with its worker (a cancelled or preempted worker job):
+                # the scheduler recomputes it; wait for that in this loop, with the watchdog on
+                fut.add_done_callback(finished.put)
+                continue
             else:
+                status = fut.status
                 try:
-                    # a finished task whose small result was lost with its worker (a cancelled or
-                    # preempted worker job) is recomputed by the scheduler: wait for it, with the
-                    # watchdog on (no worker may be left to recompute it)
-                    res = _result(fut, watchdog, len(ended), len(futures) - len(ended))
+                    res = fut.result(timeout=5)  # a small status dict: seconds at most when it is held
+                except TimeoutError:  # lost meanwhile (a worker died since the check): as above
+                    fut.add_done_callback(finished.put)
+                    continue
                 except (KeyboardInterrupt, SystemExit, RunInterrupted, RunAborted):
                     raise
                 except BaseException as exc:  # noqa: BLE001 - erred after its retries; CancelledError (scheduler lost)
-                    if not watchdog.connected():  # not the unit's failure: the scheduler went away
-                        watchdog.check(len(ended), len(futures) - len(ended), force=True)
+                    fetch_errors[fut] = fetch_errors.get(fut, 0) + 1
+                    if status == "finished" or not watchdog.connected():
+                        # fetching a finished result failed, or the task was cancelled with the
+                        # connection: not the unit's failure unless it keeps happening
+                        watchdog.check(len(ended), len(futures) - len(ended), force=not watchdog.connected())
+                        if fetch_errors[fut] < 5:
+                            time.sleep(0.2)
+                            fut.add_done_callback(finished.put)
+                            continue
                     err = f"{type(exc).__name__}: {exc}"
                     _record_client_failure(store, unit, run_id, err)
                     res = {"fingerprint": unit.fingerprint, "label": unit.label, "status": "failed", "error": err}
@@ -485,7 +541,8 @@ def _locked_run(job, plan, store, summary, *, scheduler, kind, out, processes, v
         if plan.pending:
             with _client_for(job, plan, scheduler, kind, processes) as client:
                 monitor = RunMonitor(client)
-                summary.dashboard = client.dashboard_link if (scheduler or kind != "local" or ex["dashboard"]) else None
+                _ignore_abandoned_gathers()
+                summary.dashboard = _dashboard_link(client) if (scheduler or kind != "local" or ex["dashboard"]) else None
                 summary.status_page = page_url(summary.dashboard) if monitor.ok else None
                 if summary.dashboard:
                     _say(out, f"dashboard: {summary.dashboard}" +
@@ -508,6 +565,7 @@ def _locked_run(job, plan, store, summary, *, scheduler, kind, out, processes, v
                 finally:
                     monitor.end(state, reason)
     except BaseException as exc:
+        _restore_logs()  # the client is closed: distributed's own logs matter again
         if state == "finished":  # raised outside execution (cluster start, client close)
             state, reason = _ending(exc)
         summary.failures = failures
@@ -524,6 +582,16 @@ def _locked_run(job, plan, store, summary, *, scheduler, kind, out, processes, v
     _finish(plan, store, summary, out=out, t0=t0)
     provenance("finished")
     return summary
+
+
+def _dashboard_link(client) -> str | None:
+    """The scheduler's dashboard URL, or None when it serves none (a scheduler started with
+    ``--no-dashboard``: the client's link would be a guess at the default port)."""
+    try:
+        services = client.scheduler_info().get("services", {})
+    except Exception:  # noqa: BLE001 - no link is better than a wrong one
+        return None
+    return client.dashboard_link if "dashboard" in services else None
 
 
 def _ending(exc: BaseException) -> tuple[str, str]:
