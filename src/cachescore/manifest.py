@@ -101,23 +101,37 @@ class PreparedManifest:
         return np.concatenate([s.rows for s in self.scopes]).astype(np.int64)
 
 
-def coerce_manifest(manifest) -> pd.DataFrame:
+def coerce_manifest(manifest, *, infer_types: bool = False, text_columns=()) -> pd.DataFrame:
     """Return ``manifest`` as a DataFrame; a path to ``.parquet`` or ``.csv`` is read.
 
-    Raises ``TypeError`` for anything else, ``FileNotFoundError`` for a missing file and
-    ``ValueError`` for an unsupported file suffix. CSV columns are read as strings.
+    CSV columns are read as strings, or with ``infer_types`` as pandas infers them (integers stay
+    integers) except ``text_columns``, read as strings. Raises ``TypeError`` for anything else,
+    ``FileNotFoundError`` for a missing file and ``ValueError`` for a folder, an unsupported file
+    suffix, a CSV that is not UTF-8 or not a table (each naming the path).
     """
     if isinstance(manifest, pd.DataFrame):
         return manifest
     if isinstance(manifest, (str, os.PathLike)):
         path = Path(manifest)
+        if path.is_dir():
+            raise ValueError(f"manifest {path} is a folder; give the table itself (.csv or .parquet)")
         if not path.exists():
             raise FileNotFoundError(f"manifest not found: {path}")
         suffix = path.suffix.lower()
         if suffix in {".parquet", ".pq"}:
             return pd.read_parquet(path)
         if suffix == ".csv":
-            return pd.read_csv(path, dtype=str, keep_default_na=False)
+            try:
+                if not infer_types:
+                    return pd.read_csv(path, dtype=str, keep_default_na=False, encoding="utf-8")
+                header = pd.read_csv(path, nrows=0, encoding="utf-8").columns
+                return pd.read_csv(path, encoding="utf-8", keep_default_na=False,
+                                   dtype={c: str for c in header if c in set(text_columns)})
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"manifest {path} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                                 "save it as UTF-8") from None
+            except pd.errors.ParserError as exc:
+                raise ValueError(f"manifest {path} is not a readable CSV table: {exc}") from None
         raise ValueError(f"manifest {path}: unsupported file type {suffix!r}; use .parquet or .csv")
     raise TypeError(f"manifest must be a pandas DataFrame or a path to one, got {type(manifest).__name__}")
 

@@ -30,6 +30,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ..manifest import coerce_manifest
 from ..store.atomic import atomic_replace_dir
 from .errors import AlignmentError, CacheError, CacheNotFoundError, LayoutError
 from .layout import FLOAT_DTYPES, check_name, embeddings_dir, tiles_path, view_sidecar_path
@@ -197,36 +198,12 @@ _DERIVED = ("sample_id", "tile_index", "x", "y")
 
 
 def read_manifest(manifest, *, text_columns=("sample_id", "image_path")) -> tuple[pd.DataFrame, str]:
-    """``(frame, source)`` of a manifest given as a DataFrame or a ``.csv`` / ``.parquet`` path.
-
-    CSV columns keep their inferred types (integer columns stay integers, e.g. ``x``, ``y``,
-    ``tile_index``) except ``text_columns``, read as text. Raises :class:`CacheNotFoundError` (no
-    such file), :class:`CacheError` (a folder, an unsupported suffix, not UTF-8), naming the path.
-    """
-    if isinstance(manifest, pd.DataFrame):
-        return manifest, "manifest"
-    if not isinstance(manifest, (str, os.PathLike)):
-        raise TypeError(f"manifest must be a pandas DataFrame or a path, got {type(manifest).__name__}")
-    path = Path(manifest)
-    source = f"manifest {path}"
-    if path.is_dir():
-        raise CacheError(f"{source} is a folder; give the tile or slide table (.csv or .parquet)")
-    if not path.is_file():
-        raise CacheNotFoundError(f"manifest not found: {path}")
-    suffix = path.suffix.lower()
-    if suffix in {".parquet", ".pq"}:
-        return pd.read_parquet(path), source
-    if suffix != ".csv":
-        raise CacheError(f"{source}: unsupported file type {suffix!r}; use .csv or .parquet")
-    try:
-        header = pd.read_csv(path, nrows=0, encoding="utf-8").columns
-        frame = pd.read_csv(path, encoding="utf-8", keep_default_na=False,
-                            dtype={c: str for c in header if c in set(text_columns)})
-    except UnicodeDecodeError as exc:
-        raise CacheError(f"{source} is not UTF-8 text ({exc.reason} at byte {exc.start}); save it as UTF-8") from None
-    except pd.errors.ParserError as exc:
-        raise CacheError(f"{source} is not a readable CSV table: {exc}") from None
-    return frame, source
+    """``(frame, source)`` of a manifest given as a DataFrame or a ``.csv`` / ``.parquet`` path
+    (:func:`cachescore.manifest.coerce_manifest` with inferred CSV types: integer columns stay
+    integers, e.g. ``x``, ``y``, ``tile_index``; ``text_columns`` are read as text). Raises what it
+    raises (a folder, a non-UTF-8 CSV: ``ValueError`` naming the path)."""
+    source = "manifest" if isinstance(manifest, pd.DataFrame) else f"manifest {manifest}"
+    return coerce_manifest(manifest, infer_types=True, text_columns=text_columns), source
 
 
 def is_slide_table(frame: pd.DataFrame, slide_column: str) -> bool:
@@ -375,9 +352,9 @@ def import_cache(
     retry needs no flag. Adding an encoder to an existing tileset with an identical manifest just
     adds it; re-importing identical bytes is a no-op.
 
-    Raises ``ValueError`` (bad layout/names), :class:`CacheNotFoundError` (a file missing),
-    :class:`CacheError` (a different manifest for an existing tileset, a folder given where a file
-    is expected, a non-UTF-8 manifest), :class:`LayoutError` (not 2-D, non-float dtype, unreadable,
+    Raises ``ValueError`` (bad layout/names; a manifest that is a folder or not UTF-8),
+    :class:`CacheNotFoundError` (a file missing), :class:`CacheError` (a different manifest for an
+    existing tileset, a folder given where an encoder file is expected), :class:`LayoutError` (not 2-D, non-float dtype, unreadable,
     dims/dtypes differ across slides), :class:`AlignmentError` (row counts, tile indices or coords do
     not match), :class:`NonFiniteError` (NaN/inf rows, by manifest row), ``FileExistsError`` (an
     encoder's different arrays or a view exist, no ``overwrite``).

@@ -17,7 +17,7 @@ from distributed.http.utils import RequestHandler
 
 from .._jsonsafe import json_safe
 
-__all__ = ["StatusPageHandler", "UnitsJsonHandler", "PAGE_PATH", "add_routes"]
+__all__ = ["StatusPageHandler", "UnitsJsonHandler", "PAGE_PATH", "add_routes", "current_board"]
 
 #: Path of the page on the scheduler's HTTP server (the JSON is at ``PAGE_PATH + "/units.json"``).
 PAGE_PATH = "/cachescore"
@@ -87,8 +87,9 @@ def _prefix(server) -> str:
     return "/" + prefix.strip("/") if prefix.strip("/") else ""
 
 
-def _board(server):
-    plugin = getattr(server, "plugins", {}).get("cachescore")
+def current_board(scheduler):
+    """The run board of ``scheduler``'s ``cachescore`` plugin, or None (no run registered it)."""
+    plugin = getattr(scheduler, "plugins", {}).get("cachescore")
     return None if plugin is None else plugin.board
 
 
@@ -96,7 +97,7 @@ class StatusPageHandler(RequestHandler):
     """``GET /cachescore``: the HTML page."""
 
     def get(self):
-        board = _board(self.server)
+        board = current_board(self.server)
         snap = board.snapshot() if board is not None else {"run": {}, "units": []}
         self.set_header("Content-Type", "text/html; charset=utf-8")
         self.set_header("Cache-Control", "no-store")
@@ -108,7 +109,7 @@ class UnitsJsonHandler(RequestHandler):
     """``GET /cachescore/units.json``: the board's snapshot as JSON."""
 
     def get(self):
-        board = _board(self.server)
+        board = current_board(self.server)
         snap = board.snapshot() if board is not None else {"run": {}, "units": [], "counts": {}}
         self.set_header("Content-Type", "application/json")
         self.set_header("Cache-Control", "no-store")

@@ -21,7 +21,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from .._taskkeys import ANNOTATION
 from .board import RunBoard
 from .metrics import register_collector
-from .page import PAGE_PATH, add_routes
+from .page import PAGE_PATH, add_routes, current_board
 
 __all__ = ["CachescorePlugin", "RunMonitor", "ANNOTATION", "page_url"]
 
@@ -43,7 +43,7 @@ class CachescorePlugin(SchedulerPlugin):
         self.board = RunBoard()
         self.scheduler = scheduler
         add_routes(scheduler)
-        register_collector(lambda: _current_board(scheduler))
+        register_collector(lambda: current_board(scheduler))
 
     def transition(self, key, start, finish, *args, **kwargs) -> None:
         if finish != "processing" or self.board is None:
@@ -54,14 +54,9 @@ class CachescorePlugin(SchedulerPlugin):
             self.board.mark_running(ann["unit"])
 
 
-def _current_board(scheduler):
-    plugin = scheduler.plugins.get(CachescorePlugin.name)
-    return None if plugin is None else plugin.board
-
-
 def _call_board(method: str, *args, dask_scheduler=None):
     """Run ``board.<method>(*args)`` on the scheduler (through ``client.run_on_scheduler``)."""
-    board = _current_board(dask_scheduler)
+    board = current_board(dask_scheduler)
     if board is None:
         return None
     return getattr(board, method)(*args)

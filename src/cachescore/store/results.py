@@ -125,27 +125,46 @@ class ResultsStore:
     # -- reading ------------------------------------------------------------------------------
     def _envelope(self, fp: str) -> dict | None:
         """The unit's envelope if it is complete and trustworthy, else None."""
+        return self.inspect_envelope(fp)[0]
+
+    def inspect_envelope(self, fp: str, *, checksum: bool = False) -> tuple[dict | None, str | None]:
+        """``(envelope, None)`` when the stored unit ``fp`` is complete and trustworthy, else
+        ``(None, what is wrong)`` (``"missing"`` when there is no envelope). ``checksum`` also
+        hashes the per-unit table (readers do that only when they read it; ``status --verify``
+        always does)."""
         path = self._unit_json(fp)
         try:
             env = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            return None
-        if not (isinstance(env, dict) and env.get("version") == RECORD_VERSION and env.get("fingerprint") == fp
-                and isinstance(env.get("record"), dict) and isinstance(env.get("finished_at"), str)):
-            return None
+        except FileNotFoundError:
+            return None, "missing"
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            return None, f"envelope does not parse: {exc}"
+        if not isinstance(env, dict):
+            return None, "envelope is not a JSON object"
+        if env.get("version") != RECORD_VERSION:
+            return None, f"record version {env.get('version')!r} (this cachescore reads {RECORD_VERSION}); it is recomputed"
+        if env.get("fingerprint") != fp:
+            return None, f"envelope names fingerprint {env.get('fingerprint')!r}, not its file name"
+        if not (isinstance(env.get("record"), dict) and isinstance(env.get("finished_at"), str)):
+            return None, "envelope has no record or finished_at"
         pu = env.get("per_unit")
         if pu is not None:
             if not (isinstance(pu, dict) and isinstance(pu.get("file"), str) and isinstance(pu.get("sha256"), str)
-                    and isinstance(pu.get("bytes"), int)):
-                return None
+                    and isinstance(pu.get("bytes"), int)) or Path(pu["file"]).name != pu["file"]:
+                return None, "per_unit pointer is malformed"
             f = path.parent / pu["file"]
-            if Path(pu["file"]).name != pu["file"] or not f.is_file() or f.stat().st_size != pu["bytes"]:
-                return None
+            if not f.is_file():
+                return None, f"per-unit table {f.name} is missing"
+            size = f.stat().st_size
+            if size != pu["bytes"]:
+                return None, f"per-unit table {f.name} has {size} bytes, the envelope says {pu['bytes']}"
+            if checksum and hashlib.sha256(f.read_bytes()).hexdigest() != pu["sha256"]:
+                return None, f"per-unit table {f.name} does not match its sha256 checksum"
         try:
             record_to_row(env["record"], fingerprint=fp, finished_at=env["finished_at"])
-        except (TypeError, ValueError, OverflowError):
-            return None  # does not fit the scores schema
-        return env
+        except (TypeError, ValueError, OverflowError) as exc:
+            return None, f"record does not fit the scores schema: {exc}"
+        return env, None
 
     def has(self, fp: str) -> bool:
         """True iff a complete, well-formed record for ``fp`` is stored (a malformed one counts as absent)."""

@@ -14,14 +14,13 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .atomic import PARTIAL_SUFFIX
 from .lock import LOCK_NAME, StoreLock, process_alive
-from .schema import RECORD_VERSION
+from .results import _FP, ResultsStore
 
 __all__ = ["StoreProblem", "verify_store", "RUN_STATES"]
 
@@ -42,35 +41,9 @@ class StoreProblem:
         return asdict(self)
 
 
-def _check_envelope(path: Path) -> str | None:
-    """What is wrong with the envelope at ``path`` (None: nothing)."""
-    try:
-        env = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return f"envelope does not parse: {exc}"
-    if not isinstance(env, dict):
-        return "envelope is not a JSON object"
-    if env.get("version") != RECORD_VERSION:
-        return f"record version {env.get('version')!r} (this cachescore reads {RECORD_VERSION}); it is recomputed"
-    if env.get("fingerprint") != path.stem:
-        return f"envelope names fingerprint {env.get('fingerprint')!r}, not its file name"
-    pu = env.get("per_unit")
-    if pu is None:
-        return None
-    if not isinstance(pu, dict) or not isinstance(pu.get("file"), str):
-        return "per_unit pointer is malformed"
-    table = path.parent / pu["file"]
-    if not table.is_file():
-        return f"per-unit table {table.name} is missing"
-    data = table.read_bytes()
-    if len(data) != pu.get("bytes"):
-        return f"per-unit table {table.name} has {len(data)} bytes, the envelope says {pu.get('bytes')}"
-    if hashlib.sha256(data).hexdigest() != pu.get("sha256"):
-        return f"per-unit table {table.name} does not match its sha256 checksum"
-    return None
-
-
 def _referenced_tables(units: Path) -> set[Path]:
+    """Per-unit tables any envelope names (a damaged envelope's table is not an orphan: the
+    envelope is reported instead)."""
     found = set()
     for env_path in units.glob("*/*.json"):
         try:
@@ -89,10 +62,15 @@ def verify_store(store_path) -> list[StoreProblem]:
     problems: list[StoreProblem] = []
     units = root / "units"
     if units.is_dir():
+        store = ResultsStore(root)  # an existing store: nothing is written
         for env_path in sorted(units.glob("*/*.json")):
             if env_path.name.startswith("."):
                 continue
-            why = _check_envelope(env_path)
+            if not _FP.match(env_path.stem) or env_path.parent.name != env_path.stem[:2]:
+                problems.append(StoreProblem("corrupt", str(env_path), "not named <fingerprint>.json in its "
+                                             "<fingerprint[:2]> folder: no reader will find it"))
+                continue
+            _, why = store.inspect_envelope(env_path.stem, checksum=True)
             if why:
                 problems.append(StoreProblem("corrupt", str(env_path), why))
         referenced = _referenced_tables(units)
