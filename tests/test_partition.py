@@ -1,8 +1,9 @@
 """The building blocks of the out-of-core IVF search (cachescore.neighbors.partition).
 
-Pins: probe levels agree with the probe sets they summarise (a cluster's level is the first
-fraction whose probe set holds it; sets grow with the fraction; f = 1 probes every non-empty
-cluster); k-means is deterministic and every row goes to its most similar centroid; the tile
+Pins: probe sets are the non-empty clusters within the probe radius of the query cluster's
+centroid (itself first, nearest first, growing with the radius; r = inf probes every non-empty
+cluster); the batching chain visits every cluster once, nearest next; the radius ladder's first
+rung is the smallest radius reaching the target on the calibration values; k-means is deterministic and every row goes to its most similar centroid; the tile
 kernel equals a brute-force reference (same-group pairs excluded, ties by index) whatever the
 tile sizes and however the targets are split into pieces.
 """
@@ -14,43 +15,72 @@ import pytest
 
 from cachescore.neighbors import topk
 from cachescore.neighbors.normalize import cosine_distance_block, normalize_rows
+from cachescore.neighbors.recall import radius_ladder
 from cachescore.neighbors.partition import (
     assign_clusters,
-    probe_levels,
-    probe_order,
-    probe_stops,
+    probe_chain,
+    probe_distances,
     probed_clusters,
     spherical_kmeans,
     topk_tiles,
 )
 
-FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0)
-
-
 @pytest.mark.parametrize("seed", range(4))
-def test_probe_levels_match_probe_sets(seed):
+def test_probe_sets_are_centroid_balls_that_grow_with_the_radius(seed):
     rng = np.random.default_rng(seed)
     cent = normalize_rows(rng.standard_normal((23, 8)).astype(np.float32))
-    order = probe_order(cent)
-    assert (order[:, 0] == np.arange(23)).all()  # a cluster probes itself first
+    dist = probe_distances(cent)
+    assert np.isneginf(np.diag(dist)).all()
+    off = ~np.eye(23, dtype=bool)
+    np.testing.assert_allclose(dist[off], (1 - cent.astype(np.float64) @ cent.T.astype(np.float64))[off], atol=1e-12)
     sizes = rng.integers(0, 50, 23)
-    sizes[rng.integers(0, 23)] = 0  # an empty cluster is never probed
-    stops = probe_stops(order, sizes, FRACTIONS)
-    lev = probe_levels(order, stops)
+    empty = int(rng.integers(0, 23))
+    sizes[empty] = 0  # an empty cluster is never probed
     for a in range(23):
         seen = set()
-        for i, f in enumerate(FRACTIONS):
-            probed = set(probed_clusters(order, sizes, a, int(stops[a, i])).tolist())
-            assert seen <= probed  # sets grow with the fraction
-            if f < 1:
-                assert sizes[list(probed)].sum() >= f * sizes.sum() or probed == set(np.flatnonzero(sizes))
-            else:
-                assert probed == set(np.flatnonzero(sizes).tolist())
-            for b in probed:
-                assert lev[a, b] <= i
-            for b in set(range(23)) - probed:
-                assert lev[a, b] > i or sizes[b] == 0
+        for r in (-np.inf, 0.5, 0.9, 1.2, np.inf):
+            got = probed_clusters(dist[a], sizes, r)
+            probed = set(got.tolist())
+            assert seen <= probed  # sets grow with the radius
+            assert probed == {b for b in range(23) if sizes[b] > 0 and dist[a, b] <= r}
+            assert (np.diff(dist[a][got]) >= 0).all()  # nearest first
+            if sizes[a] > 0:
+                assert got[0] == a  # a cluster probes itself first, at any radius
             seen = probed
+        assert probed == set(np.flatnonzero(sizes).tolist())  # r = inf: every non-empty cluster
+        # a floor of rows: the ball grows by the next nearest clusters until it holds min_rows
+        for need in (1, 60, 200, 10**6):
+            got = probed_clusters(dist[a], sizes, -np.inf, need)
+            nonempty = np.flatnonzero(sizes)
+            nearest = nonempty[np.argsort(dist[a][nonempty], kind="stable")]
+            assert got.tolist() == nearest[: got.size].tolist()
+            assert sizes[got].sum() >= min(need, sizes.sum())
+            assert got.size == 1 or sizes[got[:-1]].sum() < need
+
+
+def test_probe_chain_lists_every_cluster_once_nearest_next():
+    rng = np.random.default_rng(3)
+    cent = normalize_rows(rng.standard_normal((40, 6)).astype(np.float32))
+    dist = probe_distances(cent)
+    chain = probe_chain(dist)
+    assert sorted(chain.tolist()) == list(range(40)) and chain[0] == 0
+    for i in range(39):
+        rest = chain[i + 1 :]
+        assert dist[chain[i], chain[i + 1]] == dist[chain[i], rest].min()
+
+
+def test_radius_ladder_reaches_the_target_on_the_calibration_values():
+    rng = np.random.default_rng(0)
+    values = np.concatenate([np.full(300, -np.inf), rng.uniform(0, 0.4, 700)])  # own-cluster hits first
+    ladder = radius_ladder(values, 0.995)
+    assert ladder[-1] == np.inf and list(ladder) == sorted(set(ladder))
+    first = ladder[0]
+    assert np.mean(values <= first) >= 0.995
+    assert np.mean(values < first) < 0.995  # the smallest such radius
+    assert ladder[-2] == values.max()  # the last finite rung finds every calibration neighbour
+    assert np.mean(values <= ladder[1]) >= 1 - 0.25 * 0.005
+    assert radius_ladder(np.zeros(0), 0.99) == (-np.inf, np.inf)
+    assert radius_ladder(np.full(10, -np.inf), 0.99) == (-np.inf, np.inf)
 
 
 def test_kmeans_is_deterministic_and_assignment_is_nearest_centroid():

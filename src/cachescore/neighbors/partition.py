@@ -5,11 +5,11 @@ the rows it has read from disk and nothing here ever needs the whole scope in me
 
 * :func:`spherical_kmeans` / :func:`assign_clusters`: a k-means partition on the unit sphere
   (centroids from a row sample; every row assigned by one GEMM against the centroids).
-* :func:`probe_order`, :func:`probe_stops`, :func:`probed_clusters`, :func:`probe_levels`:
-  cluster-level probing. From query cluster ``a`` the clusters are visited by decreasing centroid
-  similarity (``a`` first) until they hold a fraction ``f`` of the rows that matter (all rows for
-  the cross-group search, the rows of one target cell for the typed search). Probe sets grow
-  with ``f``; ``f >= 1`` probes every non-empty cluster, which makes the search exact.
+* :func:`probe_distances`, :func:`probed_clusters`, :func:`probe_chain`: cluster-level probing.
+  From query cluster ``a`` every non-empty cluster whose centroid lies within a *probe radius*
+  ``r`` of ``a``'s (``1 - c_a·c_b <= r``; ``a`` itself always) is probed, for all rows (the
+  cross-group search) or for the rows of each target cell (the typed search). Probe sets grow
+  with ``r``; ``r = inf`` probes every non-empty cluster, which makes the search exact.
 * :func:`topk_tiles`: the exact kernel run on probed rows: blocked GEMMs
   (:func:`~cachescore.neighbors.normalize.cosine_distance_block`, the exact engines' arithmetic),
   same-group pairs set to ``+inf``, merged into a running top-k by ``(distance, global index)``.
@@ -25,10 +25,9 @@ from .topk import merge_tile
 __all__ = [
     "spherical_kmeans",
     "assign_clusters",
-    "probe_order",
-    "probe_stops",
+    "probe_distances",
     "probed_clusters",
-    "probe_levels",
+    "probe_chain",
     "topk_tiles",
 ]
 
@@ -76,50 +75,57 @@ def assign_clusters(u: np.ndarray, centroids: np.ndarray, *, block: int = 65536)
     return out
 
 
-def probe_order(centroids: np.ndarray) -> np.ndarray:
-    """(C, C) int32: row ``a`` lists the clusters by decreasing centroid similarity to ``a``,
-    ``a`` itself first (ties by cluster code)."""
-    sims = centroids @ centroids.T
-    np.fill_diagonal(sims, np.inf)
-    return np.argsort(-sims, axis=1, kind="stable").astype(np.int32)
+def probe_distances(centroids: np.ndarray) -> np.ndarray:
+    """(C, C) float64 probe distances between clusters: ``1 - c_a · c_b`` of the unit centroids,
+    ``-inf`` on the diagonal (a query cluster always probes itself first).
 
-
-def probe_stops(order: np.ndarray, sizes: np.ndarray, fractions) -> np.ndarray:
-    """(C, F) int64: how many leading clusters of ``order[a]`` are probed at each fraction.
-
-    ``sizes`` (C,) counts the rows that matter per cluster; at fraction ``f < 1`` the probe stops
-    at the first cluster where the running total reaches ``f · sizes.sum()`` (that cluster
-    included); at ``f >= 1`` every cluster is probed.
+    From query cluster ``a`` every non-empty cluster ``b`` with ``dist[a, b] <= r`` is probed
+    (:func:`probed_clusters`), for one *probe radius* ``r`` calibrated from exact answers: a
+    centroid distance, so the probe set follows the data's local geometry (a query cluster in a
+    small, tight tissue region probes few rows, one in a large region many) instead of a fixed
+    share of the scope's rows for every cluster. ``r = +inf`` probes every cluster (exact).
     """
-    sizes = np.asarray(sizes, dtype=np.int64)
-    c = order.shape[0]
-    cum = np.cumsum(sizes[order], axis=1)  # (C, C)
-    total = int(sizes.sum())
-    out = np.empty((c, len(fractions)), dtype=np.int64)
-    for i, f in enumerate(fractions):
-        if f >= 1:
-            out[:, i] = c
-        else:
-            out[:, i] = np.minimum(c, (cum < f * total).sum(axis=1) + 1)
+    c = np.asarray(centroids, dtype=np.float64)
+    dist = 1.0 - c @ c.T
+    np.maximum(dist, 0.0, out=dist)
+    np.fill_diagonal(dist, -np.inf)
+    return dist
+
+
+def probed_clusters(dist_row: np.ndarray, sizes: np.ndarray, radius: float, min_rows: int = 0) -> np.ndarray:
+    """The non-empty clusters (``sizes > 0``) within ``radius`` of one query cluster, given its
+    row ``dist_row`` (C,) of :func:`probe_distances`; nearest first, ties by cluster code (int64).
+
+    When they hold fewer than ``min_rows`` rows (of ``sizes``), the next nearest non-empty
+    clusters are added until they do (or none is left): with ``min_rows = k + largest group``
+    every query has at least ``k`` other-group candidates however small its ball is.
+    """
+    d = np.asarray(dist_row)
+    sizes = np.asarray(sizes)
+    sel = np.flatnonzero(sizes > 0)
+    sel = sel[np.argsort(d[sel], kind="stable")]
+    stop = int(np.count_nonzero(d[sel] <= radius))
+    if min_rows > 0 and stop < sel.size:
+        cum = np.cumsum(sizes[sel])
+        stop = max(stop, min(sel.size, int(np.searchsorted(cum, min_rows)) + 1))
+    return sel[:stop].astype(np.int64)
+
+
+def probe_chain(dist: np.ndarray) -> np.ndarray:
+    """(C,) int64: every cluster once, each followed by its nearest not-yet-listed cluster (a
+    greedy walk from cluster 0 over :func:`probe_distances`). Consecutive clusters of the chain
+    are close, so a batch of them probes overlapping clusters and a search task reads fewer rows."""
+    c = dist.shape[0]
+    left = np.ones(c, dtype=bool)
+    out = np.empty(c, dtype=np.int64)
+    at = 0
+    for i in range(c):
+        out[i] = at
+        left[at] = False
+        if i + 1 < c:
+            row = np.where(left, dist[at], np.inf)
+            at = int(np.argmin(row))
     return out
-
-
-def probed_clusters(order: np.ndarray, sizes: np.ndarray, a: int, stop: int) -> np.ndarray:
-    """The non-empty clusters among the first ``stop`` of ``order[a]`` (see :func:`probe_stops`)."""
-    sel = order[a, :stop]
-    return sel[np.asarray(sizes)[sel] > 0]
-
-
-def probe_levels(order: np.ndarray, stops: np.ndarray) -> np.ndarray:
-    """(C, C) int8: for query cluster ``a`` and cluster ``b``, the index of the first fraction at
-    which ``b`` is probed from ``a`` (``F`` when never), given ``stops`` from :func:`probe_stops`."""
-    c, f = stops.shape
-    pos = np.empty_like(order)
-    pos[np.arange(c)[:, None], order] = np.arange(c, dtype=order.dtype)[None, :]
-    lev = np.full((c, c), f, dtype=np.int8)
-    for i in range(f - 1, -1, -1):
-        lev[pos < stops[:, i : i + 1]] = i
-    return lev
 
 
 def topk_tiles(qv, q_groups, tv, t_ids, t_groups, k, best_i, best_d, *, rows=None, tq=TILE_Q, tt=TILE_T) -> None:

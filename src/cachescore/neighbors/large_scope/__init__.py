@@ -13,18 +13,23 @@ which fans the search out over the cluster's workers:
    metadata (scope position and codes, :data:`INDEX_COLUMNS`) in the same order. The tasks find
    the scope's tileset rows and codes in ``rows.npy``, written once by the driver.
 2. **Calibration and audit** (ANN only): two seeded query samples get their exact answers from
-   one brute-force task per chunk (merged by ``(distance, index)``); the calibration sample picks
-   the smallest probe fraction whose recall reaches the target plus half the margin (each true
-   neighbour's cluster tells at which fraction it is probed: :func:`~cachescore.neighbors.partition.probe_levels`).
-3. **Search**: one task per batch of query clusters reads its queries and the clusters they probe
-   (cross-group: ``f`` of all rows; typed: ``f`` of every SO/OS target cell) from the chunk files
+   one brute-force task per chunk (both samples in one pass, merged by ``(distance, index)``);
+   the calibration sample picks the smallest *probe radius* whose recall reaches the target plus
+   half the margin: a search probes, from query cluster ``a``, every cluster whose centroid is
+   within the radius of ``a``'s (:func:`~cachescore.neighbors.partition.probe_distances`), so
+   each true neighbour's cluster tells from which radius on it is found
+   (:func:`~cachescore.neighbors.recall.radius_ladder`). A radius, unlike a fixed share of the
+   rows, probes few rows from a small tight region and many from a large one.
+3. **Search**: one task per batch of query clusters (consecutive on a nearest-centroid chain, so
+   their probe sets overlap) reads its queries and the clusters they probe (cross-group: all rows
+   of the probed clusters; typed: their rows of every SO/OS target cell) from the chunk files
    in pieces of at most ``PIECE_ROWS`` rows, runs the exact kernel
    (:func:`~cachescore.neighbors.partition.topk_tiles`) and writes a part file. The driver copies
    the parts into memory-mapped ``(n, k)`` tables, which the metrics read in row blocks.
 4. **Recall**: measured on the audit sample against its exact answers (tie-robust, like
-   :mod:`cachescore.neighbors.ann`). Below the target, the fraction grows to the next level and
-   the search reruns; ``f = 1`` probes every cluster, i.e. is an exact search (the ``exact``
-   backend on large scopes runs with ``f = 1`` directly, without sampling).
+   :mod:`cachescore.neighbors.ann`). Below the target, the radius grows to the next rung and
+   the search reruns; ``r = inf`` probes every cluster, i.e. is an exact search (the ``exact``
+   backend on large scopes runs with ``r = inf`` directly, without sampling).
 
 Memory per task: one chunk (partition), or ``BATCH_ROWS`` queries plus one ``PIECE_ROWS`` piece
 of targets with their metadata (search); a task's arguments are paths, per-chunk cluster bounds
@@ -44,7 +49,6 @@ from .driver import LargeScopeSearch
 from .files import (
     CALIBRATION_QUERIES,
     CHUNK_BYTES,
-    FRACTIONS,
     KMEANS_MAX_SAMPLE,
     KMEANS_MIN_SAMPLE,
     ROWS_PER_CLUSTER,
@@ -58,7 +62,6 @@ from .tasks import read_scope_rows
 __all__ = [
     "CALIBRATION_QUERIES",
     "CHUNK_BYTES",
-    "FRACTIONS",
     "KMEANS_MAX_SAMPLE",
     "KMEANS_MIN_SAMPLE",
     "ROWS_PER_CLUSTER",

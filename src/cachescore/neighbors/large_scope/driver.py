@@ -21,13 +21,12 @@ from ..blocked import gather_or_cancel
 from ..fetch import is_capped
 from ..normalize import compute_dtype
 from ..partition import (
-    probe_levels,
-    probe_order,
-    probe_stops,
+    probe_chain,
+    probe_distances,
     probed_clusters,
     spherical_kmeans,
 )
-from ..recall import RecallTargetError, calibrate_fraction, distance_tol, recall_counts
+from ..recall import RecallTargetError, distance_tol, radius_ladder, recall_counts
 from ..topk import merge_tables
 from . import (
     files as tunables,  # the engine's tunables, read at call time (tests patch them)
@@ -234,28 +233,23 @@ class LargeScopeSearch:
         layout = part.layout
         n = part.n
         c = layout.bounds.shape[1] - 1
-        sizes = layout.sizes
         with np.load(folder.parent / "partition" / "layout.npz", allow_pickle=False) as z:
-            order = probe_order(z["centroids"])
+            pdist = probe_distances(z["centroids"])
         cell = part.codes[1] * layout.n_conf + part.codes[2]
-        cells = np.unique(cell)
-        cell_sizes = {int(t): np.bincount(part.cluster[cell == t], minlength=c) for t in cells}
-        stops = {"cross": probe_stops(order, sizes, tunables.FRACTIONS)} if "cross" in kinds else {}
-        for t, sz in cell_sizes.items():
-            if "so" in kinds:
-                stops[t] = probe_stops(order, sz, tunables.FRACTIONS)
+        cell_sizes = {int(t): np.bincount(part.cluster[cell == t], minlength=c) for t in np.unique(cell)}
         layout_f = self.client.scatter(layout, broadcast=True, hash=False)
         tol = distance_tol(np.dtype(layout.dtype), layout.dim)
         t0 = time.perf_counter()
         if self.exact:
-            level, truth, audit = len(tunables.FRACTIONS) - 1, None, None
+            ladder, truth, audit = (float("inf"),), None, None
         else:
-            level, truth, audit = self._calibrate(part, layout_f, kinds, k, order, stops, cell, tol)
+            ladder, truth, audit = self._calibrate(part, layout_f, kinds, k, pdist, tol)
         t_cal = time.perf_counter() - t0
         rounds = 0
         while True:
-            frac = tunables.FRACTIONS[level]
-            self._run_search(folder, n, layout_f, kinds, k, order, sizes, cell_sizes, stops, level)
+            radius = ladder[rounds]
+            frac = self._run_search(folder, n, layout_f, kinds, k, pdist, layout.sizes, cell_sizes, radius,
+                                    k + int(np.bincount(part.codes[0]).max()))
             if truth is None:
                 recall, n_audit = 1.0, 0
             else:
@@ -265,21 +259,24 @@ class LargeScopeSearch:
                     h, t = recall_counts(np.asarray(found), truth[kind][1], tol)
                     hits, total = hits + h, total + t
                 recall, n_audit = (1.0 if total == 0 else hits / total), int(audit.size)
-            if recall >= self.target or frac >= 1:
+            if recall >= self.target or math.isinf(radius):
                 break
             if rounds >= self.max_rounds:
                 raise RecallTargetError.after_rounds(f"large-scope ANN search ({'/'.join(kinds)}, k={k})", recall,
-                                                     self.target, n_audit, rounds, f"n={n}, probe fraction {frac:g}")
-            rounds, level = rounds + 1, level + 1
+                                                     self.target, n_audit, rounds,
+                                                     f"n={n}, probe radius {radius:.4g}, probe fraction {frac:.4g}")
+            rounds += 1
         atomic_write_json(folder / "done.json", {"recall": float(recall), "n_recall_queries": n_audit, "rounds": rounds,
-                                            "probe_fraction": float(frac), "n_clusters": int(c),
-                                            "exact": bool(frac >= 1), "n": int(n),
+                                            "probe_fraction": float(frac),
+                                            "probe_radius": None if math.isinf(radius) else float(radius),
+                                            "n_clusters": int(c), "exact": bool(math.isinf(radius)), "n": int(n),
                                             "seconds_calibration": round(t_cal, 3),
                                             "seconds_search": round(time.perf_counter() - t0 - t_cal, 3)})
 
-    def _calibrate(self, part: Partition, layout_f, kinds, k, order, stops, cell, tol):
-        """Exact answers for the calibration and audit samples (one brute task per chunk), and the
-        calibrated starting level. Returns ``(level, audit truth per kind, audit positions)``."""
+    def _calibrate(self, part: Partition, layout_f, kinds, k, pdist, tol):
+        """Exact answers for the calibration and audit samples (one brute task per chunk, both
+        samples in one pass), and the probe radii to try (:func:`radius_ladder`). Returns
+        ``(radii, audit truth per kind, audit positions)``."""
         n = part.n
         rng_a = np.random.default_rng([self.seed, 1])
         rng_c = np.random.default_rng([self.seed, 2])
@@ -297,45 +294,37 @@ class LargeScopeSearch:
             merged = found if merged is None else {kd: merge_tables(merged[kd], found[kd], k) for kd in kinds}
         nc = calib.size
         truth = {kd: (merged[kd][0][nc:], merged[kd][1][nc:]) for kd in kinds}
-        levels, t_idx, t_dist = [], [], []
-        qa = part.cluster[calib][:, None]
+        qa = part.cluster[calib]
+        values = []
         for kd in kinds:
             ti, td = merged[kd][0][:nc], merged[kd][1][:nc]
-            x = np.maximum(ti, 0)
-            if kd == "cross":
-                lev = probe_levels(order, stops["cross"])[qa, part.cluster[x]]
-            else:
-                lev = np.empty(ti.shape, dtype=np.int64)
-                tcell = cell[x]
-                for t in np.unique(tcell):
-                    sel = tcell == t
-                    lv = probe_levels(order, stops[int(t)])
-                    lev[sel] = lv[np.broadcast_to(qa, ti.shape)[sel], part.cluster[x][sel]]
-            levels.append(lev)
-            t_idx.append(ti)
-            t_dist.append(td)
+            r, j = np.nonzero((ti >= 0) & np.isfinite(td))
+            values.append(pdist[qa[r], part.cluster[ti[r, j]]])
         want = min(1.0, self.target + 0.5 * (1.0 - self.target))
-        frac = calibrate_fraction(levels, t_idx, t_dist, tol, want, tunables.FRACTIONS)
-        return tunables.FRACTIONS.index(frac) if frac in tunables.FRACTIONS else len(tunables.FRACTIONS) - 1, truth, audit
+        return radius_ladder(np.concatenate(values), want), truth, audit
 
-    def _run_search(self, folder, n, layout_f, kinds, k, order, sizes, cell_sizes, stops, level):
-        c = sizes.size
-        plans = {}
-        for a in range(c):
+    def _run_search(self, folder, n, layout_f, kinds, k, pdist, sizes, cell_sizes, radius, min_rows) -> float:
+        """One search at probe ``radius`` (each probe set holding at least ``min_rows`` rows of
+        its pool, so every query has ``k`` other-group candidates); writes the tables. Returns the
+        probe fraction: the share of (query, scope row) pairs the search computed."""
+        plans, pairs = {}, 0
+        chain = probe_chain(pdist)
+        for a in chain:
             if sizes[a] == 0:
                 continue
             if "cross" in kinds:
-                plan = {"cross": probed_clusters(order, sizes, a, int(stops["cross"][a, level]))}
+                plan = {"cross": probed_clusters(pdist[a], sizes, radius, min_rows)}
+                pairs += int(sizes[a]) * int(sizes[plan["cross"]].sum())
             else:
-                plan = {"cells": {t: probed_clusters(order, sz, a, int(stops[t][a, level]))
-                                  for t, sz in cell_sizes.items()}}
-            plans[a] = plan
+                plan = {"cells": {t: probed_clusters(pdist[a], sz, radius, min_rows) for t, sz in cell_sizes.items()}}
+                pairs += int(sizes[a]) * sum(int(cell_sizes[t][cl].sum()) for t, cl in plan["cells"].items())
+            plans[int(a)] = plan
         batches, cur, cur_rows = [], {}, 0
-        for a in sorted(plans):
+        for a, plan in plans.items():  # in chain order: a batch's clusters are close together
             if cur and cur_rows + sizes[a] > tunables.BATCH_ROWS:
                 batches.append(cur)
                 cur, cur_rows = {}, 0
-            cur[a] = plans[a]
+            cur[a] = plan
             cur_rows += int(sizes[a])
         if cur:
             batches.append(cur)
@@ -364,6 +353,7 @@ class LargeScopeSearch:
             os.replace(mm.filename, folder / f"{kind}_{what}.npy")
         del tables, mm
         shutil.rmtree(parts_dir, ignore_errors=True)
+        return pairs / float(n) ** 2
 
 
 

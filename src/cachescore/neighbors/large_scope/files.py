@@ -16,8 +16,6 @@ from ...store.atomic import atomic_write
 CHUNK_BYTES = 128 * 2**20
 #: Target rows per k-means cluster (``C = ceil(n / ROWS_PER_CLUSTER)``).
 ROWS_PER_CLUSTER = 2048
-#: Probe fractions tried by calibration and widening, ascending; 1.0 = every cluster (exact).
-FRACTIONS = (1 / 256, 1 / 128, 1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0)
 #: Rows of the sample the centroids are trained on: ``48 · C`` clamped to
 #: ``[KMEANS_MIN_SAMPLE, KMEANS_MAX_SAMPLE]`` (and to ``n``); the cap keeps the read bounded.
 KMEANS_MIN_SAMPLE = 20000
@@ -26,10 +24,10 @@ KMEANS_MAX_SAMPLE = 65536
 BATCH_ROWS = 16384
 #: Target rows held at once by a search task.
 PIECE_ROWS = 65536
-#: Calibration queries (their exact answers pick the probe fraction).
+#: Calibration queries (their exact answers pick the probe radius).
 CALIBRATION_QUERIES = 2000
 #: Version of the scratch layout and of this engine (enters the scratch key).
-ENGINE_VERSION = 1
+ENGINE_VERSION = 2  # 2: probe radius (was: probe fraction)
 
 
 def scratch_root(store_root) -> Path:
