@@ -2,8 +2,9 @@
 
 Pins: probe sets are the non-empty clusters within the probe radius of the query cluster's
 centroid (itself first, nearest first, growing with the radius; r = inf probes every non-empty
-cluster); the batching chain visits every cluster once, nearest next; the radius ladder's first
-rung is the smallest radius reaching the target on the calibration values; k-means is deterministic and every row goes to its most similar centroid; the tile
+cluster, and grow by the next nearest ones to a floor of rows); the batching chain visits every
+cluster once, nearest next; the calibrated (radius, floor) rule reaches the target on the
+calibration neighbours with the least work of its grid and the ladder's rungs grow; k-means is deterministic and every row goes to its most similar centroid; the tile
 kernel equals a brute-force reference (same-group pairs excluded, ties by index) whatever the
 tile sizes and however the targets are split into pieces.
 """
@@ -15,11 +16,14 @@ import pytest
 
 from cachescore.neighbors import topk
 from cachescore.neighbors.normalize import cosine_distance_block, normalize_rows
-from cachescore.neighbors.recall import radius_ladder
 from cachescore.neighbors.partition import (
     assign_clusters,
+    ProbeGeometry,
+    ProbeRule,
+    calibrate_probe,
     probe_chain,
     probe_distances,
+    probe_ladder,
     probed_clusters,
     spherical_kmeans,
     topk_tiles,
@@ -69,18 +73,55 @@ def test_probe_chain_lists_every_cluster_once_nearest_next():
         assert dist[chain[i], chain[i + 1]] == dist[chain[i], rest].min()
 
 
-def test_radius_ladder_reaches_the_target_on_the_calibration_values():
-    rng = np.random.default_rng(0)
-    values = np.concatenate([np.full(300, -np.inf), rng.uniform(0, 0.4, 700)])  # own-cluster hits first
-    ladder = radius_ladder(values, 0.995)
-    assert ladder[-1] == np.inf and list(ladder) == sorted(set(ladder))
-    first = ladder[0]
-    assert np.mean(values <= first) >= 0.995
-    assert np.mean(values < first) < 0.995  # the smallest such radius
-    assert ladder[-2] == values.max()  # the last finite rung finds every calibration neighbour
-    assert np.mean(values <= ladder[1]) >= 1 - 0.25 * 0.005
-    assert radius_ladder(np.zeros(0), 0.99) == (-np.inf, np.inf)
-    assert radius_ladder(np.full(10, -np.inf), 0.99) == (-np.inf, np.inf)
+def _pool(rng, c, n_nb):
+    sizes = rng.integers(0, 60, c)
+    sizes[rng.integers(0, c)] = 0
+    qa = rng.integers(0, c, n_nb)
+    nb = rng.choice(np.flatnonzero(sizes), n_nb)
+    return rng.integers(0, 40, c), sizes, qa, nb
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_calibrated_probe_rule_reaches_the_target_with_least_work(seed):
+    """The rule's recall on the calibration neighbours (found iff their cluster is probed by
+    probed_clusters) reaches the target; no rule of the radius x floor grid with less work does;
+    the ladder's rungs grow (superset probe sets) and end exact."""
+    rng = np.random.default_rng(seed)
+    c = 30
+    cent = normalize_rows(rng.standard_normal((c, 5)).astype(np.float32))
+    geo = ProbeGeometry(probe_distances(cent))
+    pools = [_pool(rng, c, 400), _pool(rng, c, 300)]
+
+    def probe_sets(rule):
+        return [[set(probed_clusters(geo.dist[a], sz, rule.radius, rule.min_rows).tolist()) for a in range(c)]
+                for _, sz, _, _ in pools]
+
+    def recall_and_work(rule):
+        sets = probe_sets(rule)
+        hits = sum(int(nb_ in sets[p][a_]) for p, (_, _, qa, nb) in enumerate(pools) for a_, nb_ in zip(qa, nb))
+        work = sum(int(w[a]) * int(sz[list(sets[p][a])].sum()) for p, (w, sz, _, _) in enumerate(pools)
+                   for a in range(c))
+        return hits / sum(qa.size for _, _, qa, _ in pools), work
+
+    for target in (0.8, 0.95, 1.0):
+        rule = calibrate_probe(geo, pools, target, 5)
+        rec, work = recall_and_work(rule)
+        assert rec >= target - 1e-12 and rule.min_rows >= 5
+        # the geometry's row count is what probed_clusters probes
+        for (w, sz, _, _), sets in zip(pools, probe_sets(rule)):
+            np.testing.assert_array_equal(geo.probed_rows(geo.cum_rows(sz), rule), [sz[list(s)].sum() for s in sets])
+        # no cheaper rule among finite radii of the neighbours and the floors tried
+        radii = sorted({float(geo.dist[a_, nb_]) for _, _, qa, nb in pools for a_, nb_ in zip(qa, nb)})
+        for floor in (5, 7, 10, 14, 20):
+            for r in radii[:: max(1, len(radii) // 25)]:
+                rr, ww = recall_and_work(ProbeRule(r, floor))
+                assert not (rr >= target and ww < work - 1e-9), (target, r, floor, ww, work)
+    ladder = probe_ladder(geo, pools, 0.9, 5)
+    assert ladder[-1].exact and not ladder[0].exact
+    for lo, hi in zip(ladder, ladder[1:]):
+        assert all(x <= y for xs, ys in zip(probe_sets(lo), probe_sets(hi)) for x, y in zip(xs, ys))
+    assert all(s == set(np.flatnonzero(sz).tolist()) for (_, sz, _, _), sets in zip(pools, probe_sets(ladder[-1]))
+               for s in sets)
 
 
 def test_kmeans_is_deterministic_and_assignment_is_nearest_centroid():
@@ -133,8 +174,6 @@ def test_merge_of_a_tile_closer_than_every_current_neighbour_keeps_o_bk_candidat
     """A tile whose entries all beat the rows' current k-th distance takes the tightened path
     (each row's own k best of the tile, ties kept): same result as a brute-force merge, and the
     candidate arrays handed to the sort are O(b k), not O(b w)."""
-    from cachescore.neighbors import ann
-
     rng = np.random.default_rng(5)
     b, w, k = 40, 500, 6
     bi = np.tile(np.arange(10_000, 10_000 + k, dtype=np.int64), (b, 1))

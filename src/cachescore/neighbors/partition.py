@@ -17,6 +17,9 @@ the rows it has read from disk and nothing here ever needs the whole scope in me
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import numpy as np
 
 from .normalize import cosine_distance_block
@@ -28,6 +31,10 @@ __all__ = [
     "probe_distances",
     "probed_clusters",
     "probe_chain",
+    "ProbeRule",
+    "ProbeGeometry",
+    "calibrate_probe",
+    "probe_ladder",
     "topk_tiles",
 ]
 
@@ -109,6 +116,113 @@ def probed_clusters(dist_row: np.ndarray, sizes: np.ndarray, radius: float, min_
         cum = np.cumsum(sizes[sel])
         stop = max(stop, min(sel.size, int(np.searchsorted(cum, min_rows)) + 1))
     return sel[:stop].astype(np.int64)
+
+
+@dataclass(frozen=True)
+class ProbeRule:
+    """What a query cluster probes in one pool (all rows, or one typed target cell): every
+    non-empty cluster within ``radius`` of its centroid, and the next nearest ones until they
+    hold ``min_rows`` rows of the pool (:func:`probed_clusters`). ``radius = inf`` is exact."""
+
+    radius: float
+    min_rows: int
+
+    @property
+    def exact(self) -> bool:
+        return math.isinf(self.radius) and self.radius > 0
+
+    def widened(self, other: "ProbeRule") -> "ProbeRule":
+        """The rule probing both rules' sets (their union, per query cluster and pool)."""
+        return ProbeRule(max(self.radius, other.radius), max(self.min_rows, other.min_rows))
+
+
+class ProbeGeometry:
+    """The probe distances of a partition with every query cluster's clusters in probe order
+    (nearest first, ties by code; empty clusters included, they hold no rows), so the rows a rule
+    probes and the rule that finds a calibration neighbour are array lookups.
+
+    ``dist`` (C, C) from :func:`probe_distances`. Memory: three (C, C) arrays, plus one per pool
+    while one is evaluated.
+    """
+
+    def __init__(self, dist: np.ndarray):
+        self.dist = dist
+        self.order = np.argsort(dist, axis=1, kind="stable")
+        self.sorted = np.take_along_axis(dist, self.order, axis=1)
+        c = dist.shape[0]
+        self.pos = np.empty_like(self.order)
+        self.pos[np.arange(c)[:, None], self.order] = np.arange(c)[None, :]
+
+    def cum_rows(self, pool_sizes) -> np.ndarray:
+        """(C, C) int64: rows of the pool in the first ``j + 1`` clusters of each probe order."""
+        return np.cumsum(np.asarray(pool_sizes, dtype=np.int64)[self.order], axis=1)
+
+    def rows_before(self, cum: np.ndarray, pool_sizes, qa, nb) -> np.ndarray:
+        """Pool rows in the clusters probed before cluster ``nb`` from query cluster ``qa``
+        (arrays of equal shape): a floor of ``min_rows`` reaches ``nb`` iff this is ``< min_rows``."""
+        return cum[qa, self.pos[qa, nb]] - np.asarray(pool_sizes, dtype=np.int64)[nb]
+
+    def probed_rows(self, cum: np.ndarray, rule: ProbeRule) -> np.ndarray:
+        """(C,) int64: pool rows each query cluster probes under ``rule``."""
+        c = cum.shape[1]
+        n_r = np.count_nonzero(self.sorted <= rule.radius, axis=1)  # >= 1: the own cluster
+        n_f = np.minimum(np.count_nonzero(cum < rule.min_rows, axis=1) + 1, c)
+        return cum[np.arange(cum.shape[0]), np.maximum(n_r, n_f) - 1]
+
+
+def calibrate_probe(geometry: ProbeGeometry, pools, target: float, min_rows: int) -> ProbeRule:
+    """The rule of least probe work whose recall on the calibration neighbours reaches ``target``.
+
+    ``pools``: one ``(query_weights, pool_sizes, qa, nb)`` per pool: ``query_weights`` (C,) how
+    many queries of each cluster search the pool, ``pool_sizes`` (C,) its rows per cluster,
+    ``qa``/``nb`` (N_p,) the query cluster and the cluster of each valid true neighbour in the
+    pool. A neighbour is found (exactly: probed rows are searched exhaustively) iff its cluster is
+    within the radius or reached by the floor. For each floor of a geometric grid (``min_rows``
+    · 2^(j/2)) the smallest radius reaching ``target`` follows from the neighbours the floor
+    misses; the pair of least work ``sum_p sum_a query_weights[a] · probed_rows_p[a]`` wins.
+    Every rule has ``min_rows >=`` the given floor.
+    """
+    d_parts, rb_parts, cums = [], [], []
+    for _, sizes, qa, nb in pools:
+        cum = geometry.cum_rows(sizes)
+        cums.append(cum)
+        d_parts.append(geometry.dist[qa, nb])
+        rb_parts.append(geometry.rows_before(cum, sizes, qa, nb))
+    d = np.concatenate(d_parts) if d_parts else np.zeros(0)
+    rb = np.concatenate(rb_parts) if rb_parts else np.zeros(0, np.int64)
+    need_total = int(np.ceil(min(1.0, float(target)) * d.size - 1e-9))
+    biggest = max([int(np.asarray(s).sum()) for _, s, _, _ in pools] + [int(min_rows), 1])
+    floors, f = [], float(max(1, int(min_rows)))
+    while f < 2 * biggest:
+        floors.append(int(round(f)))
+        f *= 2 ** 0.5
+    best, best_work = None, None
+    for floor in sorted(set(floors)):
+        by_floor = rb < floor
+        need = need_total - int(np.count_nonzero(by_floor))
+        if need <= 0:
+            radius = -np.inf
+        else:
+            rest = np.sort(d[~by_floor])
+            radius = float(rest[need - 1])
+        rule = ProbeRule(radius, floor)
+        work = sum(float(np.dot(np.asarray(w, dtype=np.float64), geometry.probed_rows(cum, rule)))
+                   for (w, _, _, _), cum in zip(pools, cums))
+        if best_work is None or work < best_work:
+            best, best_work = rule, work
+    return best
+
+
+def probe_ladder(geometry: ProbeGeometry, pools, target: float, min_rows: int) -> tuple[ProbeRule, ...]:
+    """Rules to try, each probing a superset of the previous: the calibrated rule at ``target``,
+    at a quarter of its misses, at every calibration neighbour, then exact (``radius = inf``)."""
+    rungs = []
+    for want in (float(target), 1.0 - 0.25 * (1.0 - float(target)), 1.0):
+        rule = calibrate_probe(geometry, pools, want, min_rows)
+        rule = rule if not rungs else rungs[-1].widened(rule)
+        if not rungs or rule != rungs[-1]:
+            rungs.append(rule)
+    return tuple(rungs) + (ProbeRule(float("inf"), int(min_rows)),)
 
 
 def probe_chain(dist: np.ndarray) -> np.ndarray:

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..errors import UnscorableError
 
-__all__ = ["RecallTargetError", "distance_tol", "recall_counts", "calibrate_fraction", "radius_ladder", "sample_queries",
+__all__ = ["RecallTargetError", "distance_tol", "recall_counts", "calibrate_fraction", "sample_queries",
            "check_positive_int", "seed_of"]
 
 
@@ -96,25 +96,3 @@ def calibrate_fraction(levels, true_idx, true_dist, tol, target, fractions):
     del tol
     return 1.0
 
-
-def radius_ladder(values, target) -> tuple[float, ...]:
-    """Probe radii to try, increasing, ending at ``+inf`` (probe everything: exact).
-
-    ``values`` (N,) float: for each valid true neighbour of the calibration rows, the probe
-    distance (:func:`~cachescore.neighbors.partition.probe_distances`) from its query's cluster to
-    its own; a search at radius ``r`` probes that cluster, and so finds the neighbour exactly,
-    iff ``value <= r``. The first radius is the smallest whose calibration recall (share of values
-    ``<= r``) reaches ``target``; the widening rungs reach a quarter of the remaining misses and
-    then every calibration neighbour. No values (no neighbour anywhere) -> ``(-inf, inf)``: a
-    query cluster probes only itself first.
-    """
-    v = np.sort(np.asarray(values, dtype=np.float64).ravel())
-    if v.size == 0:
-        return (-np.inf, np.inf)
-    rungs = []
-    for want in (float(target), 1.0 - 0.25 * (1.0 - float(target)), 1.0):
-        i = min(v.size - 1, max(0, int(np.ceil(min(1.0, want) * v.size)) - 1))
-        r = float(v[i])
-        if not rungs or r > rungs[-1]:
-            rungs.append(r)
-    return tuple(rungs) + (float("inf"),)

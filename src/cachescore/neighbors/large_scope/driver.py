@@ -21,12 +21,15 @@ from ..blocked import gather_or_cancel
 from ..fetch import is_capped
 from ..normalize import compute_dtype
 from ..partition import (
+    ProbeGeometry,
+    ProbeRule,
     probe_chain,
     probe_distances,
+    probe_ladder,
     probed_clusters,
     spherical_kmeans,
 )
-from ..recall import RecallTargetError, distance_tol, radius_ladder, recall_counts
+from ..recall import RecallTargetError, distance_tol, recall_counts
 from ..topk import merge_tables
 from . import (
     files as tunables,  # the engine's tunables, read at call time (tests patch them)
@@ -234,22 +237,21 @@ class LargeScopeSearch:
         n = part.n
         c = layout.bounds.shape[1] - 1
         with np.load(folder.parent / "partition" / "layout.npz", allow_pickle=False) as z:
-            pdist = probe_distances(z["centroids"])
-        cell = part.codes[1] * layout.n_conf + part.codes[2]
-        cell_sizes = {int(t): np.bincount(part.cluster[cell == t], minlength=c) for t in np.unique(cell)}
+            geometry = ProbeGeometry(probe_distances(z["centroids"]))
+        pools = self._pools(part, kinds)
         layout_f = self.client.scatter(layout, broadcast=True, hash=False)
         tol = distance_tol(np.dtype(layout.dtype), layout.dim)
+        floor = k + int(np.bincount(part.codes[0]).max())  # >= k other-group candidates per query
         t0 = time.perf_counter()
         if self.exact:
-            ladder, truth, audit = (float("inf"),), None, None
+            ladder, truth, audit = (ProbeRule(float("inf"), floor),), None, None
         else:
-            ladder, truth, audit = self._calibrate(part, layout_f, kinds, k, pdist, tol)
+            ladder, truth, audit = self._calibrate(part, layout_f, kinds, k, geometry, pools, floor, tol)
         t_cal = time.perf_counter() - t0
         rounds = 0
         while True:
-            radius = ladder[rounds]
-            frac = self._run_search(folder, n, layout_f, kinds, k, pdist, layout.sizes, cell_sizes, radius,
-                                    k + int(np.bincount(part.codes[0]).max()))
+            rule = ladder[rounds]
+            frac = self._run_search(folder, n, layout_f, kinds, k, geometry, layout.sizes, pools, rule)
             if truth is None:
                 recall, n_audit = 1.0, 0
             else:
@@ -259,24 +261,53 @@ class LargeScopeSearch:
                     h, t = recall_counts(np.asarray(found), truth[kind][1], tol)
                     hits, total = hits + h, total + t
                 recall, n_audit = (1.0 if total == 0 else hits / total), int(audit.size)
-            if recall >= self.target or math.isinf(radius):
+            if recall >= self.target or rule.exact:
                 break
             if rounds >= self.max_rounds:
                 raise RecallTargetError.after_rounds(f"large-scope ANN search ({'/'.join(kinds)}, k={k})", recall,
                                                      self.target, n_audit, rounds,
-                                                     f"n={n}, probe radius {radius:.4g}, probe fraction {frac:.4g}")
+                                                     f"n={n}, probe radius {rule.radius:.4g} with at least "
+                                                     f"{rule.min_rows} rows, probe fraction {frac:.4g}")
             rounds += 1
         atomic_write_json(folder / "done.json", {"recall": float(recall), "n_recall_queries": n_audit, "rounds": rounds,
                                             "probe_fraction": float(frac),
-                                            "probe_radius": None if math.isinf(radius) else float(radius),
-                                            "n_clusters": int(c), "exact": bool(math.isinf(radius)), "n": int(n),
+                                            # null when not finite: -inf (own clusters + floor) or exact
+                                            "probe_radius": float(rule.radius) if math.isfinite(rule.radius) else None,
+                                            "probe_min_rows": int(rule.min_rows),
+                                            "n_clusters": int(c), "exact": bool(rule.exact), "n": int(n),
                                             "seconds_calibration": round(t_cal, 3),
                                             "seconds_search": round(time.perf_counter() - t0 - t_cal, 3)})
 
-    def _calibrate(self, part: Partition, layout_f, kinds, k, pdist, tol):
+    @staticmethod
+    def _pools(part: Partition, kinds: tuple) -> dict:
+        """The pools a search probes: ``{pool: (query weights (C,), pool rows (C,))}``; the weight
+        of cluster ``a`` counts its queries that search the pool. Cross-group: one pool, every row.
+        Typed: one pool per target cell ``t = label * n_conf + confounder``, searched as SO pool by
+        the queries of the same label and another confounder and as OS pool by those of another
+        label and the same confounder."""
+        layout = part.layout
+        c = layout.bounds.shape[1] - 1
+        sizes = layout.sizes
+        if "cross" in kinds:
+            return {"cross": (sizes, sizes)}
+        nc = layout.n_conf
+        cell = part.codes[1] * nc + part.codes[2]
+        present = np.unique(cell)
+        cell_sizes = {int(t): np.bincount(part.cluster[cell == t], minlength=c) for t in present}
+        pools = {}
+        for t, sz in cell_sizes.items():
+            tl, tc = divmod(t, nc)
+            users = np.zeros(c, dtype=np.int64)
+            for q, cs in cell_sizes.items():
+                if (q // nc == tl) != (q % nc == tc):  # SO: same label, other confounder; OS: the reverse
+                    users += cs
+            pools[t] = (users, sz)
+        return pools
+
+    def _calibrate(self, part: Partition, layout_f, kinds, k, geometry, pools, floor, tol):
         """Exact answers for the calibration and audit samples (one brute task per chunk, both
-        samples in one pass), and the probe radii to try (:func:`radius_ladder`). Returns
-        ``(radii, audit truth per kind, audit positions)``."""
+        samples in one pass), and the probe rules to try (:func:`probe_ladder`). Returns
+        ``(rules, audit truth per kind, audit positions)``."""
         n = part.n
         rng_a = np.random.default_rng([self.seed, 1])
         rng_c = np.random.default_rng([self.seed, 2])
@@ -295,30 +326,34 @@ class LargeScopeSearch:
         nc = calib.size
         truth = {kd: (merged[kd][0][nc:], merged[kd][1][nc:]) for kd in kinds}
         qa = part.cluster[calib]
-        values = []
+        found_in = {pool: ([], []) for pool in pools}  # pool -> (query clusters, neighbour clusters)
+        cell = part.codes[1] * part.layout.n_conf + part.codes[2]
         for kd in kinds:
             ti, td = merged[kd][0][:nc], merged[kd][1][:nc]
             r, j = np.nonzero((ti >= 0) & np.isfinite(td))
-            values.append(pdist[qa[r], part.cluster[ti[r, j]]])
+            nb = ti[r, j]
+            pool_of = np.zeros(nb.size, np.int64) if "cross" in pools else cell[nb]
+            for pool in pools:
+                sel = np.ones(nb.size, bool) if pool == "cross" else pool_of == pool
+                found_in[pool][0].append(qa[r[sel]])
+                found_in[pool][1].append(part.cluster[nb[sel]])
+        calib_pools = [(w, sz, np.concatenate(found_in[pool][0]), np.concatenate(found_in[pool][1]))
+                       for pool, (w, sz) in pools.items()]
         want = min(1.0, self.target + 0.5 * (1.0 - self.target))
-        return radius_ladder(np.concatenate(values), want), truth, audit
+        return probe_ladder(geometry, calib_pools, want, floor), truth, audit
 
-    def _run_search(self, folder, n, layout_f, kinds, k, pdist, sizes, cell_sizes, radius, min_rows) -> float:
-        """One search at probe ``radius`` (each probe set holding at least ``min_rows`` rows of
-        its pool, so every query has ``k`` other-group candidates); writes the tables. Returns the
-        probe fraction: the share of (query, scope row) pairs the search computed."""
+    def _run_search(self, folder, n, layout_f, kinds, k, geometry, sizes, pools, rule) -> float:
+        """One search under ``rule`` in every pool; writes the tables. Returns the probe fraction:
+        the (query, target) pairs the search computed over those an exact search computes."""
         plans, pairs = {}, 0
-        chain = probe_chain(pdist)
-        for a in chain:
+        for a in probe_chain(geometry.dist):
             if sizes[a] == 0:
                 continue
-            if "cross" in kinds:
-                plan = {"cross": probed_clusters(pdist[a], sizes, radius, min_rows)}
-                pairs += int(sizes[a]) * int(sizes[plan["cross"]].sum())
-            else:
-                plan = {"cells": {t: probed_clusters(pdist[a], sz, radius, min_rows) for t, sz in cell_sizes.items()}}
-                pairs += int(sizes[a]) * sum(int(cell_sizes[t][cl].sum()) for t, cl in plan["cells"].items())
-            plans[int(a)] = plan
+            probed = {pool: probed_clusters(geometry.dist[a], sz, rule.radius, rule.min_rows)
+                      for pool, (_, sz) in pools.items()}
+            pairs += sum(int(pools[pool][0][a]) * int(pools[pool][1][cl].sum()) for pool, cl in probed.items())
+            plans[int(a)] = {"cross": probed["cross"]} if "cross" in pools else {"cells": probed}
+        exact_pairs = sum(int(w.sum()) * int(sz.sum()) for w, sz in pools.values())
         batches, cur, cur_rows = [], {}, 0
         for a, plan in plans.items():  # in chain order: a batch's clusters are close together
             if cur and cur_rows + sizes[a] > tunables.BATCH_ROWS:
@@ -353,7 +388,7 @@ class LargeScopeSearch:
             os.replace(mm.filename, folder / f"{kind}_{what}.npy")
         del tables, mm
         shutil.rmtree(parts_dir, ignore_errors=True)
-        return pairs / float(n) ** 2
+        return pairs / exact_pairs if exact_pairs else 1.0
 
 
 
