@@ -24,8 +24,13 @@ recall and the speed ratio.
    drives the large-scope units (their O(n) state lives here, not on the workers). Linux only for
    the memory figures (they are ``null`` elsewhere).
 4. Prints per backend: wall time of the run, per-worker peaks, the unit records from the results
-   store (:class:`cachescore.store.ResultsStore`: value, k, tau, m, recall, seconds), then the
-   exact/ann speed ratio and ``|ann - exact|`` per metric. ``--json`` writes everything.
+   store (:class:`cachescore.store.ResultsStore`: value, k, tau, m, recall, seconds), each
+   out-of-core neighbour table (probe rule, recall, phase seconds, computed pairs and the search
+   tasks' GFLOP/s against the float32 GEMM throughput measured on every worker at once before the
+   job), then the exact/ann speed ratio and ``|ann - exact|`` per metric against the
+   recall-implied tolerance ``1 - recall``. ``--json`` writes everything.
+5. With several ``--rows`` sizes (one cache each, in turn): the exponent ``e`` of ``time ~ n^e``
+   between consecutive sizes, of the wall time, the search phases and the computed pairs.
 
 ``--mode search``
 -----------------
@@ -41,6 +46,7 @@ Examples::
     python benchmarks/cache_scale.py --rows 20000                               # quick check, both backends
     python benchmarks/cache_scale.py --rows 200000 --workdir /data/bench --json b200k.json
     python benchmarks/cache_scale.py --rows 1000000 --backends ann --workdir /data/bench
+    python benchmarks/cache_scale.py --rows 200000 400000 --backends ann      # growth exponent, one run
     python benchmarks/cache_scale.py --mode search --rows 200000 --exact sample  # old raw-search figures
 """
 
@@ -48,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import shutil
@@ -220,6 +227,49 @@ def read_records(store_path: Path):
                                     kind="stable").reset_index(drop=True), store.failures()
 
 
+def worker_gemm_gflops(dim: int, reps: int = 5) -> float:
+    """float32 GEMM GFLOP/s of this process on one BLAS thread: (2048, dim) x (dim, 8192), the
+    shape of the out-of-core kernel's tiles (run on every worker at once: per-core throughput
+    while the other cores are busy too, the condition the search tasks run in)."""
+    from threadpoolctl import threadpool_limits
+
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2048, dim), dtype=np.float32)
+    t = rng.standard_normal((8192, dim), dtype=np.float32)
+    with threadpool_limits(1):
+        q @ t.T
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            q @ t.T
+        sec = (time.perf_counter() - t0) / reps
+    return 2 * 2048 * 8192 * dim / sec / 1e9
+
+
+def search_tables(store_path: Path, dim: int, gemm_gflops: float) -> list[dict]:
+    """One entry per out-of-core neighbour table the units used (deduplicated: RI and MaRI share
+    one): probe rule, recall, phase seconds, computed pairs and the search tasks' throughput
+    (``2 · dim · pairs / task seconds``) against the workers' measured GEMM throughput."""
+    from cachescore.store import ResultsStore
+
+    scores = ResultsStore(store_path).scores()
+    seen, out = set(), []
+    for e in scores.get("extra", []):
+        for d in (json.loads(e).get("neighbour_search", []) if isinstance(e, str) and e else []):
+            key = (d.get("scope"), tuple(d.get("kinds", ())), d.get("k"))
+            if key in seen:
+                continue
+            seen.add(key)
+            row = {k: d.get(k) for k in ("scope", "kinds", "k", "n", "n_clusters", "probe_fraction", "probe_radius",
+                                         "probe_min_rows", "recall", "rounds", "seconds_partition",
+                                         "seconds_calibration", "seconds_search", "search_pairs",
+                                         "search_task_seconds")}
+            if d.get("search_pairs") and d.get("search_task_seconds"):
+                gf = 2 * dim * d["search_pairs"] / d["search_task_seconds"] / 1e9
+                row.update(task_gflops=round(gf, 1), share_of_gemm=round(gf / gemm_gflops, 3))
+            out.append(row)
+    return out
+
+
 def run_backend(a, backend: str, cache: Path) -> dict:
     """Run the job for ``backend`` on a fresh LocalCluster; wall time, worker peaks, records."""
     from distributed import Client, LocalCluster
@@ -237,6 +287,8 @@ def run_backend(a, backend: str, cache: Path) -> dict:
                       memory_limit=a.memory_limit, env=env) as cluster, \
             Client(cluster, set_as_default=False) as client:
         pids = client.run(os.getpid)
+        # the reference for the kernel's throughput: float32 GEMM on every worker at once
+        gemm = client.run(worker_gemm_gflops, a.dim)
         # this process runs `cachescore run`: it drives the large-scope units (their O(n) state)
         sampler = WorkerMemorySampler(dict(pids, client=os.getpid()), a.sample_interval)
         sampler.start()
@@ -247,7 +299,7 @@ def run_backend(a, backend: str, cache: Path) -> dict:
         finally:
             wall = time.perf_counter() - t0
             peaks = sampler.finish()
-    out.update(rc=int(rc), wall_s=round(wall, 2))
+    out.update(rc=int(rc), wall_s=round(wall, 2), gemm_gflops={w: round(g, 1) for w, g in gemm.items()})
     client_peak = peaks.pop("client")
     out["workers"] = {w: {"pid": p["pid"], "max_vmrss_mib": _mib(p["max_vmrss"] or None),
                           "max_rssanon_mib": _mib(p["max_rssanon"] or None), "vmhwm_mib": _mib(p["vmhwm"]),
@@ -256,6 +308,7 @@ def run_backend(a, backend: str, cache: Path) -> dict:
     out["client_max_rssanon_mib"] = _mib(client_peak["max_rssanon"] or None)
     out["client_vmhwm_mib"] = _mib(proc_status(os.getpid()).get("VmHWM"))
     records, failures = read_records(store)
+    out["searches"] = search_tables(store, a.dim, float(np.mean(list(gemm.values()))))
     out["records"] = json.loads(records.to_json(orient="records", date_format="iso"))
     out["failures"] = json.loads(failures.to_json(orient="records", date_format="iso"))
     return out
@@ -285,6 +338,17 @@ def print_backend(res: dict) -> None:
             print("   " + "  ".join(f"{_fmt(r.get(c)):>10}" for c in cols))
     for f in res["failures"]:
         print(f"   FAILED: {f}")
+    if res.get("gemm_gflops"):
+        print("   float32 GEMM per worker (1 thread, all workers at once): "
+              + ", ".join(f"{g:.1f}" for g in res["gemm_gflops"].values()) + " GFLOP/s")
+    for t in res.get("searches", []):
+        print(f"   table {'/'.join(t['kinds'])} k={t['k']} ({t['scope']}, n={t['n']}, {t['n_clusters']} clusters): "
+              f"probe fraction {_fmt(t['probe_fraction'])}, radius {_fmt(t['probe_radius'])}, "
+              f"floor {t['probe_min_rows']} rows, recall {_fmt(t['recall'])}, rounds {t['rounds']}; partition "
+              f"{_fmt(t['seconds_partition'], 1)} s, calibration {_fmt(t['seconds_calibration'], 1)} s, search "
+              f"{_fmt(t['seconds_search'], 1)} s; {_fmt(t['search_pairs'])} pairs in "
+              f"{_fmt(t['search_task_seconds'], 1)} task-s = {_fmt(t.get('task_gflops'), 1)} GFLOP/s per task "
+              f"({_fmt(100 * t['share_of_gemm'] if t.get('share_of_gemm') else None, 0)}% of GEMM)")
 
 
 def compare(results: dict) -> dict:
@@ -304,46 +368,92 @@ def compare(results: dict) -> dict:
             continue
         diff = None if r.get("value") is None or s.get("value") is None else abs(s["value"] - r["value"])
         ratio = (r["seconds"] / s["seconds"]) if r.get("seconds") and s.get("seconds") else None
+        # a missed neighbour (share 1 - recall) is replaced by the next nearest: it moves one unit's
+        # evidence, so a pooled score moves by at most about that share
+        tol = None if s.get("recall") is None else 1.0 - float(s["recall"])
+        within = None if diff is None or tol is None else bool(diff <= tol + 1e-9)
         out["metrics"].append({**{k: r.get(k) for k in MATCH_KEYS if k in r}, "exact": r.get("value"),
                                "ann": s.get("value"), "abs_diff": diff, "recall": s.get("recall"),
+                               "tolerance": tol, "within_tolerance": within,
                                "k_exact": r.get("k"), "k_ann": s.get("k"), "tau_exact": r.get("tau"),
                                "tau_ann": s.get("tau"), "unit_speed_ratio": ratio})
     return out
 
 
 def run_pipeline(a) -> int:
+    """Every size of ``--rows`` in turn (one cache each), then the growth exponents between sizes."""
     os.environ.setdefault("NUMBA_CACHE_DIR", os.path.join(tempfile.gettempdir(), "cachescore-numba-cache"))
     Path(os.environ["NUMBA_CACHE_DIR"]).mkdir(parents=True, exist_ok=True)
     temp = a.workdir is None
     a.workdir = a.workdir or tempfile.mkdtemp(prefix="cachescore-scale-")
     Path(a.workdir).mkdir(parents=True, exist_ok=True)
-    print(f"cache_scale (pipeline): rows={a.rows} dim={a.dim} backends={a.backends} workers={a.workers} "
+    sizes = list(a.rows)
+    print(f"cache_scale (pipeline): rows={sizes} dim={a.dim} backends={a.backends} workers={a.workers} "
           f"recall_target={a.recall_target} cpus={os.cpu_count()} workdir={a.workdir}", flush=True)
-    report: dict = {"mode": "pipeline", "args": vars(a).copy()}
+    reports = []
     try:
-        cache, report["cache"] = build_or_reuse_cache(a)
-        report["results"] = {}
-        for backend in a.backends:
-            res = run_backend(a, backend, cache)
-            report["results"][backend] = res
-            print_backend(res)
-        report["comparison"] = cmp_ = compare(report["results"])
-        if cmp_:
-            print(f"\n== exact vs ann: speed ratio (wall) x{_fmt(cmp_['speed_ratio_wall'], 2)}")
-            for m in cmp_["metrics"]:
-                print(f"   {m.get('family')}/{m.get('metric')} m={_fmt(m.get('m'))} view={m.get('view')} "
-                      f"scope={m.get('scope')}: exact {_fmt(m['exact'])} ann {_fmt(m['ann'])} "
-                      f"|diff| {_fmt(m['abs_diff'], 6)} recall {_fmt(m['recall'])} "
-                      f"unit speed ratio x{_fmt(m['unit_speed_ratio'], 2)}")
+        for n in sizes:
+            a.rows = n
+            reports.append(run_size(a))
+        a.rows = sizes
+        scaling = growth(reports, a.backends)
+        for g in scaling:
+            print(f"\n== growth {g['backend']} {g['from_rows']} -> {g['to_rows']} rows: wall x{g['wall_ratio']:.2f}, "
+                  f"exponent {g['wall_exponent']:.2f} (time ~ n^e); search phases exponent "
+                  f"{_fmt(g.get('search_exponent'), 2)}; computed pairs exponent {_fmt(g.get('pairs_exponent'), 2)}")
         if a.json:
+            out = reports[0] if len(reports) == 1 else {"mode": "pipeline", "sizes": reports, "growth": scaling}
             with open(a.json, "w") as f:
-                json.dump(report, f, indent=2, default=str)
+                json.dump(out, f, indent=2, default=str)
             print(f"figures written to {a.json}")
-        failed = [b for b, r in report["results"].items() if r["rc"] != 0]
+        failed = [b for r in reports for b, res in r["results"].items() if res["rc"] != 0]
         return 1 if failed else 0
     finally:
         if temp and not a.keep:
             shutil.rmtree(a.workdir, ignore_errors=True)
+
+
+def run_size(a) -> dict:
+    """Build or reuse the cache of ``a.rows`` rows and score it with every backend."""
+    print(f"\n===== {a.rows} rows", flush=True)
+    report: dict = {"mode": "pipeline", "args": vars(a).copy()}
+    cache, report["cache"] = build_or_reuse_cache(a)
+    report["results"] = {}
+    for backend in a.backends:
+        res = run_backend(a, backend, cache)
+        report["results"][backend] = res
+        print_backend(res)
+    report["comparison"] = cmp_ = compare(report["results"])
+    if cmp_:
+        print(f"\n== exact vs ann: speed ratio (wall) x{_fmt(cmp_['speed_ratio_wall'], 2)}")
+        for m in cmp_["metrics"]:
+            print(f"   {m.get('family')}/{m.get('metric')} m={_fmt(m.get('m'))} view={m.get('view')} "
+                  f"scope={m.get('scope')}: exact {_fmt(m['exact'])} ann {_fmt(m['ann'])} "
+                  f"|diff| {_fmt(m['abs_diff'], 6)} recall {_fmt(m['recall'])} "
+                  f"tolerance 1-recall {_fmt(m['tolerance'], 6)} within: {m['within_tolerance']} "
+                  f"unit speed ratio x{_fmt(m['unit_speed_ratio'], 2)}")
+    return report
+
+
+def growth(reports: list[dict], backends) -> list[dict]:
+    """Exponent ``e`` of ``time ~ n^e`` between consecutive sizes, per backend: of the wall time,
+    of the summed search phases and of the computed (query, target) pairs."""
+    out = []
+    for backend in backends:
+        for lo, hi in zip(reports, reports[1:]):
+            r0, r1 = lo["results"].get(backend), hi["results"].get(backend)
+            if not r0 or not r1:
+                continue
+            n0, n1 = lo["args"]["rows"], hi["args"]["rows"]
+            g = {"backend": backend, "from_rows": n0, "to_rows": n1, "wall_ratio": r1["wall_s"] / r0["wall_s"],
+                 "wall_exponent": math.log(r1["wall_s"] / r0["wall_s"]) / math.log(n1 / n0)}
+            for key, field in (("search_exponent", "seconds_search"), ("pairs_exponent", "search_pairs")):
+                v0 = sum(t.get(field) or 0 for t in r0.get("searches", []))
+                v1 = sum(t.get(field) or 0 for t in r1.get("searches", []))
+                if v0 > 0 and v1 > 0:
+                    g[key] = math.log(v1 / v0) / math.log(n1 / n0)
+            out.append(g)
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -547,7 +657,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=("pipeline", "search"), default="pipeline",
                    help="pipeline: score the view through the product (default); search: raw in-process searches")
     g = p.add_argument_group("data")
-    g.add_argument("--rows", type=int, default=200_000)
+    g.add_argument("--rows", type=int, nargs="+", default=[200_000],
+                   help="rows; several sizes run in turn and print the growth exponent between them")
     g.add_argument("--dim", type=int, default=768)
     g.add_argument("--labels", type=int, default=2)
     g.add_argument("--confounders", type=int, default=4)
@@ -593,7 +704,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
-    return run_search(a) if a.mode == "search" else run_pipeline(a)
+    if a.mode == "search":
+        if len(a.rows) != 1:
+            raise SystemExit("--mode search takes one --rows value")
+        a.rows = a.rows[0]
+        return run_search(a)
+    return run_pipeline(a)
 
 
 if __name__ == "__main__":

@@ -194,3 +194,45 @@ def test_merge_of_a_tile_closer_than_every_current_neighbour_keeps_o_bk_candidat
     np.testing.assert_array_equal(bd, want_d)
     assert sizes and sizes[0] <= topk.MERGE_CANDIDATES * b * k < b * w
 
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("seed", range(3))
+def test_similarity_tile_merge_equals_masked_distance_merge(dtype, seed):
+    """merge_similarity_tile (distances for survivors only, group rule applied sparsely) gives the
+    same running table as masking the dense distance tile and calling merge_tile, tile after tile:
+    ties by index, rows with fewer than k eligible entries, similarities beyond ±1 (distances
+    clipped to 0 and 2, where every entry ties), and a tile closer than every current neighbour."""
+    rng = np.random.default_rng(seed)
+    b, k = 29, 6
+    acc_ref = (np.full((b, k), -1, np.int64), np.full((b, k), np.inf))
+    acc_new = (acc_ref[0].copy(), acc_ref[1].copy())
+    qg = rng.integers(0, 4, b)
+    seen, saw_open = 0, False
+    for w in (3, 40, 200, 7, 120):
+        # dyadic similarities with many ties, some beyond [-1, 1]
+        sim = (rng.integers(-20, 21, (b, w)) / 16).astype(dtype)
+        if w == 120:
+            sim[:] = (rng.integers(15, 20, (b, w)) / 16).astype(dtype)  # closer than everything so far
+        tg = rng.integers(0, 4, w)
+        tids = (rng.permutation(10_000)[:w] + seen).astype(np.int64)
+        seen += 10_000
+        dist = np.clip(np.subtract(1, sim), 0, 2)
+        dist[qg[:, None] == tg[None, :]] = np.inf
+        topk.merge_tile(*acc_ref, dist, tids, k)
+        topk.merge_similarity_tile(*acc_new, sim.copy(), qg, tg, tids, k)
+        np.testing.assert_array_equal(acc_new[0], acc_ref[0])
+        np.testing.assert_array_equal(acc_new[1], acc_ref[1])
+        saw_open |= bool(np.isinf(acc_ref[1]).any())
+    assert saw_open  # rows with fewer than k eligible entries were merged
+    assert (acc_ref[1] == 0).any()  # similarities >= 1 (distance clipped to 0, all tied) entered
+
+
+def test_same_group_pairs_lists_exactly_the_equal_pairs():
+    rng = np.random.default_rng(2)
+    qg, tg = rng.integers(0, 12, 50), rng.integers(0, 12, 300)
+    r, c = topk.same_group_pairs(qg, tg)
+    want = set(zip(*np.nonzero(qg[:, None] == tg[None, :])))
+    assert set(zip(r.tolist(), c.tolist())) == {(int(a), int(b)) for a, b in want} and r.size == len(want)
+    r, c = topk.same_group_pairs(np.array([1, 2]), np.array([3, 4]))
+    assert r.size == c.size == 0

@@ -10,9 +10,9 @@ the rows it has read from disk and nothing here ever needs the whole scope in me
   ``r`` of ``a``'s (``1 - c_a·c_b <= r``; ``a`` itself always) is probed, for all rows (the
   cross-group search) or for the rows of each target cell (the typed search). Probe sets grow
   with ``r``; ``r = inf`` probes every non-empty cluster, which makes the search exact.
-* :func:`topk_tiles`: the exact kernel run on probed rows: blocked GEMMs
-  (:func:`~cachescore.neighbors.normalize.cosine_distance_block`, the exact engines' arithmetic),
-  same-group pairs set to ``+inf``, merged into a running top-k by ``(distance, global index)``.
+* :func:`topk_tiles`: the exact kernel run on probed rows: blocked similarity GEMMs, each tile
+  merged into a running top-k by ``(distance, global index)`` with the exact engines' arithmetic
+  (``clip(1 - s, 0, 2)``) on the surviving entries only and same-group pairs never entering.
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .normalize import cosine_distance_block
-from .topk import merge_tile
+from .topk import merge_similarity_tile
 
 __all__ = [
     "spherical_kmeans",
@@ -249,7 +248,9 @@ def topk_tiles(qv, q_groups, tv, t_ids, t_groups, k, best_i, best_d, *, rows=Non
     (r,) group codes (a same-group pair is never a neighbour); ``t_ids`` (r,) int64 global indices
     (the tie order); ``best_i`` (b, k) int64 and ``best_d`` (b, k) float64 hold the running result
     (``-1``/``+inf`` = empty), ordered by ``(distance, index)``. Distances are
-    ``clip(1 - q·t, 0, 2)`` in the rows' dtype, one GEMM per ``tq × tt`` tile. The caller chooses
+    ``clip(1 - q·t, 0, 2)`` in the rows' dtype (the exact engines' arithmetic), one GEMM per
+    ``tq × tt`` tile, converted to distances only for the entries that can enter the top-k
+    (:func:`~cachescore.neighbors.topk.merge_similarity_tile`). The caller chooses
     the targets: all probed rows (cross-group) or one SO/OS pool cell (typed), so the group rule is
     the only mask. ``rows`` (optional int array) selects the targets among ``tv``'s rows; they are
     gathered one ``tt`` tile at a time, so a selection never copies the whole target set.
@@ -263,6 +264,4 @@ def topk_tiles(qv, q_groups, tv, t_ids, t_groups, k, best_i, best_d, *, rows=Non
         ut, ids, tg = tv[at], t_ids[at], t_groups[at]
         for s in range(0, qv.shape[0], tq):
             e = min(qv.shape[0], s + tq)
-            dist = cosine_distance_block(qv[s:e], ut)
-            dist[q_groups[s:e, None] == tg[None, :]] = np.inf
-            merge_tile(best_i[s:e], best_d[s:e], dist, ids, k)
+            merge_similarity_tile(best_i[s:e], best_d[s:e], qv[s:e] @ ut.T, q_groups[s:e], tg, ids, k)

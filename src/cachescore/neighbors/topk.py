@@ -7,14 +7,17 @@ index). Each kernel is exact under ties.
 * :func:`topk` — the k best of a candidate matrix;
 * :func:`merge_tables` — two tables of disjoint candidates into one;
 * :func:`merge_tile` — a distance tile into a running table, in place (float32 fast path
-  :func:`merge_keys`).
+  :func:`merge_keys`);
+* :func:`merge_similarity_tile` — the same for a similarity tile, converting only the candidates
+  and applying the group rule sparsely (:func:`same_group_pairs`): the out-of-core kernel.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["topk", "merge_tables", "merge_tile", "merge_keys", "MERGE_CANDIDATES"]
+__all__ = ["topk", "merge_tables", "merge_tile", "merge_similarity_tile", "same_group_pairs", "merge_keys",
+           "MERGE_CANDIDATES"]
 
 
 def topk(dist: np.ndarray, idx: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -88,6 +91,92 @@ def merge_tile(bi, bd, dist, tids, k):
             return
     rows = np.concatenate([np.repeat(np.arange(b), k), r])
     dd = np.concatenate([bd.ravel(), dist[r, c].astype(np.float64)])
+    ii = np.concatenate([bi.ravel(), tids[c]])
+    order = np.lexsort((ii, dd, rows))
+    rows, dd, ii = rows[order], dd[order], ii[order]
+    rank = np.arange(rows.size) - np.searchsorted(rows, np.arange(b))[rows]
+    keep = (rank < k) & np.isfinite(dd)
+    bi[:] = -1
+    bd[:] = np.inf
+    bi[rows[keep], rank[keep]] = ii[keep]
+    bd[rows[keep], rank[keep]] = dd[keep]
+
+
+def same_group_pairs(q_groups: np.ndarray, t_groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(r, c)`` int64 of every pair with ``q_groups[r] == t_groups[c]``, without a (b, w)
+    comparison: targets sorted by group once, each query's equal range found by binary search."""
+    order = np.argsort(t_groups, kind="stable")
+    srt = t_groups[order]
+    lo = np.searchsorted(srt, q_groups, side="left")
+    cnt = np.searchsorted(srt, q_groups, side="right") - lo
+    total = int(cnt.sum())
+    if total == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    r = np.repeat(np.arange(q_groups.size, dtype=np.int64), cnt)
+    start = np.cumsum(cnt) - cnt
+    pos = np.arange(total, dtype=np.int64) - np.repeat(start, cnt) + np.repeat(lo, cnt)
+    return r, order[pos].astype(np.int64)
+
+
+def merge_similarity_tile(bi, bd, sim, q_groups, t_groups, tids, k, *, margin=None) -> None:
+    """:func:`merge_tile` for a *similarity* tile ``sim`` (b, w) of unit rows (``q · t``), with the
+    group rule applied here: the distance ``clip(1 - sim, 0, 2)`` (in ``sim``'s dtype, the exact
+    engines' arithmetic) is computed for the few entries that can enter the running top-k only, and
+    same-group pairs (``q_groups[r] == t_groups[c]``) never enter. Same result as masking,
+    converting the whole tile and calling :func:`merge_tile`, in place; ``sim`` is overwritten.
+
+    Per row a similarity bound ``low`` keeps every entry whose distance can be ``<=`` the row's
+    k-th (ties kept): ``1 - thr - margin`` (``margin`` 1e-6 for float32, 4e-15 for float64 covers
+    the subtraction's rounding), ``-inf`` where the row holds fewer than k entries. Such rows
+    first get a bound from this tile: its same-group entries set to ``-inf`` (found by
+    :func:`same_group_pairs`, no dense comparison), the k-th largest similarity gives a distance no
+    valid k-th can exceed.
+    """
+    b, w = sim.shape
+    if b == 0 or w == 0:
+        return
+    if margin is None:
+        margin = 1e-6 if sim.dtype == np.float32 else 4e-15
+    r_same, c_same = same_group_pairs(np.asarray(q_groups), np.asarray(t_groups))
+    sim[r_same, c_same] = -np.inf
+    thr = bd[:, k - 1].astype(np.float64)
+    open_rows = np.flatnonzero(~np.isfinite(thr))
+    if open_rows.size and w >= k:
+        sub = sim if open_rows.size == b else sim[open_rows]
+        s_k = np.partition(sub, w - k, axis=1)[:, w - k]
+        thr[open_rows] = np.where(np.isfinite(s_k), np.clip(np.subtract(1, s_k), 0, 2), np.inf)
+
+    def bound(t):
+        low = (1.0 - t) - margin  # -inf where t is inf
+        low[t >= 2.0 - margin] = -np.inf  # every S <= -1 ties at distance 2
+        return low.astype(sim.dtype)[:, None]
+
+    passing = sim >= bound(thr)
+    if w > k and np.count_nonzero(passing) > MERGE_CANDIDATES * b * k:
+        # a tile much closer than the rows' current k-th neighbours: each row's own k best of the
+        # tile (ties included) bound it, so the candidate arrays stay O(b k)
+        s_k = np.partition(sim, w - k, axis=1)[:, w - k]
+        thr = np.minimum(thr, np.where(np.isfinite(s_k), np.clip(np.subtract(1, s_k), 0, 2).astype(np.float64), np.inf))
+        passing = sim >= bound(thr)
+    flat = np.flatnonzero(passing)
+    del passing
+    cand_s = np.ravel(sim)[flat]
+    valid = cand_s > -np.inf  # not a same-group pair
+    r = flat // w
+    d = np.clip(np.subtract(1, cand_s), 0, 2)
+    keep = valid & (d <= thr[r])
+    if not keep.any():
+        return
+    flat, r, d = flat[keep], r[keep], d[keep]
+    c = flat - r * w
+    if sim.dtype == np.float32:
+        ib = max(int(tids.max(initial=0)), int(bi.max(initial=0)), 1).bit_length() + 1
+        rb = max(1, (b - 1).bit_length())
+        if rb + 31 + ib <= 64:
+            merge_keys(bi, bd, d, r, tids[c], k, ib)
+            return
+    rows = np.concatenate([np.repeat(np.arange(b), k), r])
+    dd = np.concatenate([bd.ravel(), d.astype(np.float64)])
     ii = np.concatenate([bi.ravel(), tids[c]])
     order = np.lexsort((ii, dd, rows))
     rows, dd, ii = rows[order], dd[order], ii[order]

@@ -251,7 +251,7 @@ class LargeScopeSearch:
         rounds = 0
         while True:
             rule = ladder[rounds]
-            frac = self._run_search(folder, n, layout_f, kinds, k, geometry, layout.sizes, pools, rule)
+            frac, stats = self._run_search(folder, n, layout_f, kinds, k, geometry, layout.sizes, pools, rule)
             if truth is None:
                 recall, n_audit = 1.0, 0
             else:
@@ -275,6 +275,7 @@ class LargeScopeSearch:
                                             "probe_radius": float(rule.radius) if math.isfinite(rule.radius) else None,
                                             "probe_min_rows": int(rule.min_rows),
                                             "n_clusters": int(c), "exact": bool(rule.exact), "n": int(n),
+                                            **stats,
                                             "seconds_calibration": round(t_cal, 3),
                                             "seconds_search": round(time.perf_counter() - t0 - t_cal, 3)})
 
@@ -343,8 +344,9 @@ class LargeScopeSearch:
         return probe_ladder(geometry, calib_pools, want, floor), truth, audit
 
     def _run_search(self, folder, n, layout_f, kinds, k, geometry, sizes, pools, rule) -> float:
-        """One search under ``rule`` in every pool; writes the tables. Returns the probe fraction:
-        the (query, target) pairs the search computed over those an exact search computes."""
+        """One search under ``rule`` in every pool; writes the tables. Returns the probe fraction
+        (the (query, target) pairs the search computed over those an exact search computes) and
+        ``{"search_pairs", "search_task_seconds"}`` (the tasks' wall time, summed)."""
         plans, pairs = {}, 0
         for a in probe_chain(geometry.dist):
             if sizes[a] == 0:
@@ -370,9 +372,11 @@ class LargeScopeSearch:
         for i, b in enumerate(batches):
             futures.append(self.client.submit(search_task, layout_f, b, kinds, k, str(parts_dir / f"part-{i:05d}.npz"),
                                               pure=False, key=task_key("search", f"batch{i:05d}")))
-        counts = gather_or_cancel(self.client, futures)
-        if sum(counts) != n:
-            raise RuntimeError(f"large-scope search covered {sum(counts)} of {n} rows")
+        done = gather_or_cancel(self.client, futures)
+        covered = sum(q for q, _ in done)
+        if covered != n:
+            raise RuntimeError(f"large-scope search covered {covered} of {n} rows")
+        stats = {"search_pairs": int(pairs), "search_task_seconds": round(sum(t for _, t in done), 3)}
         tables = {}
         for kind in kinds:
             for what, dt in (("idx", np.int64), ("dist", np.float64)):
@@ -388,7 +392,7 @@ class LargeScopeSearch:
             os.replace(mm.filename, folder / f"{kind}_{what}.npy")
         del tables, mm
         shutil.rmtree(parts_dir, ignore_errors=True)
-        return pairs / exact_pairs if exact_pairs else 1.0
+        return (pairs / exact_pairs if exact_pairs else 1.0), stats
 
 
 

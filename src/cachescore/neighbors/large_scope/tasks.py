@@ -4,6 +4,7 @@ exact answers per chunk, search one batch of query clusters. Every argument is b
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -74,14 +75,16 @@ def brute_task(layout: Layout, j: int, qv: np.ndarray, q_codes: np.ndarray, kind
         return out
 
 
-def search_task(layout: Layout, batch: dict, kinds: tuple, k: int, path: str) -> int:
-    """Search the query clusters of ``batch`` and write a part file; returns its query count.
+def search_task(layout: Layout, batch: dict, kinds: tuple, k: int, path: str) -> tuple[int, float]:
+    """Search the query clusters of ``batch`` and write a part file; returns its query count and
+    its wall seconds (the kernel throughput figures are pairs over these).
 
     ``batch`` maps a query cluster ``a`` to its probe plan: ``{"cross": probed clusters}``, or for
     the typed kinds ``{"cells": {target cell: probed clusters}}`` (cell code ``label * n_conf +
     confounder``). Targets are read in pieces of at most :data:`PIECE_ROWS` rows (whole clusters)
     and searched by :meth:`Targets.search`.
     """
+    t0 = time.perf_counter()
     with single_thread_blas():
         q_clusters = sorted(batch)
         qv, qmeta, qcl = layout.read_clusters(q_clusters)
@@ -110,7 +113,7 @@ def search_task(layout: Layout, batch: dict, kinds: tuple, k: int, path: str) ->
         for kind in kinds:
             arrays[f"{kind}_idx"], arrays[f"{kind}_dist"] = res[kind]
         atomic_save_npz(Path(path), **arrays)
-        return int(qv.shape[0])
+        return int(qv.shape[0]), time.perf_counter() - t0
 
 
 class Targets:
