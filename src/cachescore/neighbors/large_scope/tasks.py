@@ -158,17 +158,27 @@ class Targets:
                 continue
             tsel = self.select(lo, hi, None if plan is None else plan["cells"][tc])
             tl, tcf = divmod(tc, self.n_conf)
-            self._run(qv, q_codes, qsel[(ql == tl) & (qc != tcf)], tsel, k, res["so"])
-            self._run(qv, q_codes, qsel[(ql != tl) & (qc == tcf)], tsel, k, res["os"])
+            # the cell is the SO pool of one query set and the OS pool of another (disjoint):
+            # both searched by one kernel call, their running tables side by side
+            self._run(qv, q_codes, (qsel[(ql == tl) & (qc != tcf)], qsel[(ql != tl) & (qc == tcf)]), tsel, k,
+                      (res["so"], res["os"]))
 
     def _run(self, qv, q_codes, qsel, tsel, k, table) -> None:
-        if qsel.size == 0 or tsel.size == 0:
+        """Search targets ``tsel`` for the query rows ``qsel`` and merge into ``table`` ((idx, dist)
+        of all queries); or for several disjoint query sets at once (tuples, one table each)."""
+        sets = (qsel,) if not isinstance(qsel, tuple) else qsel
+        tables = (table,) if not isinstance(qsel, tuple) else table
+        rows = np.concatenate(sets)
+        if rows.size == 0 or tsel.size == 0:
             return
-        bi, bd = table
-        sub_i, sub_d = bi[qsel], bd[qsel]
-        # the targets are this query set's pool (one cell, or the probed scope): only groups mask
-        topk_tiles(qv[qsel], q_codes[0][qsel], self.tv, self.tpos, self.t_groups, k, sub_i, sub_d, rows=tsel)
-        bi[qsel], bd[qsel] = sub_i, sub_d
+        sub_i = np.concatenate([bi[q] for q, (bi, _) in zip(sets, tables)])
+        sub_d = np.concatenate([bd[q] for q, (_, bd) in zip(sets, tables)])
+        # the targets are each query set's pool (one cell, or the probed scope): only groups mask
+        topk_tiles(qv[rows], q_codes[0][rows], self.tv, self.tpos, self.t_groups, k, sub_i, sub_d, rows=tsel)
+        at = 0
+        for q, (bi, bd) in zip(sets, tables):
+            bi[q], bd[q] = sub_i[at : at + q.size], sub_d[at : at + q.size]
+            at += q.size
 
 
 def plan_clusters(plan: dict):
