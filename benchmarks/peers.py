@@ -12,6 +12,8 @@ Contenders, each timed on its own (build + search, wall seconds, this process):
 * ``ours-ivf``: :func:`cachescore.neighbors.ann.cross_group_knn_ann_with_recall` (``method="ivf"``,
   ``--target`` recall, calibrated probe fraction, exact distances on the probed rows; the
   in-memory engine, used for scopes below ``[neighbors] large_scope_rows``);
+* ``ours-graph``: the same with ``method="graph"`` (pynndescent build + query, widened until the
+  target; numba's JIT warm-up timed separately, once per process);
 * ``ours-large``: :class:`cachescore.neighbors.large_scope.LargeScopeSearch`, the out-of-core
   engine ``cachescore run`` uses for scopes of at least ``large_scope_rows`` (100k) rows, on a
   LocalCluster of ``--threads`` single-threaded worker processes reading the cache from disk:
@@ -61,7 +63,7 @@ from cachescore.neighbors.ann import cross_group_knn_ann_with_recall  # noqa: E4
 from cachescore.neighbors.exact import cross_group_knn  # noqa: E402
 from cachescore.neighbors.normalize import normalize_rows  # noqa: E402
 
-CONTENDERS = ("ours-exact", "ours-ivf", "ours-large", "faiss-flat", "faiss-ivf", "faiss-hnsw", "hnswlib")
+CONTENDERS = ("ours-exact", "ours-ivf", "ours-graph", "ours-large", "faiss-flat", "faiss-ivf", "faiss-hnsw", "hnswlib")
 
 
 def load_rows(workdir: Path, rows: int, dim: int, seed: int):
@@ -170,6 +172,18 @@ def run(args) -> dict:
         exact_idx, _ = cross_group_knn(u, groups, k, n_threads=args.threads)
         record("ours-exact", time.perf_counter() - t0, exact_idx[sample])
         del exact_idx
+    if "ours-graph" not in args.skip:
+        from cachescore.neighbors import numba_env
+
+        numba_env.configure()
+        t0 = time.perf_counter()
+        numba_env.warm_up()  # pynndescent's JIT, paid once per process (the workers do the same)
+        warm = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        res = cross_group_knn_ann_with_recall(u, groups, k, recall_target=args.target, random_state=args.seed,
+                                              method="graph", n_jobs=args.threads)
+        record("ours-graph", time.perf_counter() - t0, np.asarray(res.idx)[sample],
+               self_recall=round(float(res.recall), 5), rounds=res.rounds, warm_up_s=round(warm, 1))
     if "ours-large" not in args.skip:
         sec, idx, det = ours_large(root, view, groups, k, args.target, args.threads, args.seed, args.workdir)
         record("ours-large", sec, idx[sample], self_recall=round(float(det["recall"]), 5),
