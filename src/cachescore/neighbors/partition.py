@@ -8,8 +8,12 @@ the rows it has read from disk and nothing here ever needs the whole scope in me
 * :func:`probe_distances`, :func:`probed_clusters`, :func:`probe_chain`: cluster-level probing.
   From query cluster ``a`` every non-empty cluster whose centroid lies within a *probe radius*
   ``r`` of ``a``'s (``1 - c_a·c_b <= r``; ``a`` itself always) is probed, for all rows (the
-  cross-group search) or for the rows of each target cell (the typed search). Probe sets grow
-  with ``r``; ``r = inf`` probes every non-empty cluster, which makes the search exact.
+  cross-group search) or for the rows of each target cell (the typed search), grown by the next
+  nearest clusters to a floor of rows. Probe sets grow with ``r``; ``r = inf`` probes every
+  non-empty cluster, which makes the search exact.
+* :class:`ProbeRule`, :class:`ProbeGeometry`, :func:`calibrate_probe`, :func:`probe_ladder`: the
+  (radius, floor) rule of least probe work that finds a target share of the calibration
+  sample's exact neighbours, and the widening rungs after it (ADR-0013).
 * :func:`topk_tiles`: the exact kernel run on probed rows: blocked similarity GEMMs, each tile
   merged into a running top-k by ``(distance, global index)`` with the exact engines' arithmetic
   (``clip(1 - s, 0, 2)``) on the surviving entries only and same-group pairs never entering.

@@ -343,7 +343,7 @@ class LargeScopeSearch:
         want = min(1.0, self.target + 0.5 * (1.0 - self.target))
         return probe_ladder(geometry, calib_pools, want, floor), truth, audit
 
-    def _run_search(self, folder, n, layout_f, kinds, k, geometry, sizes, pools, rule) -> float:
+    def _run_search(self, folder, n, layout_f, kinds, k, geometry, sizes, pools, rule) -> tuple[float, dict]:
         """One search under ``rule`` in every pool; writes the tables. Returns the probe fraction
         (the (query, target) pairs the search computed over those an exact search computes) and
         ``{"search_pairs", "search_task_seconds"}`` (the tasks' wall time, summed)."""
