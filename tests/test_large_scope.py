@@ -140,6 +140,15 @@ def test_probing_every_cluster_equals_the_exact_engines(cache_root, client, tmp_
     np.testing.assert_allclose(np.asarray(so), e_so, rtol=0, atol=F32_DIST_TOL)
     np.testing.assert_allclose(np.asarray(os_), e_os, rtol=0, atol=F32_DIST_TOL)
     assert [d["exact"] for d in search.details] == [True, True] and search.recall == 1.0
+    # the recorded work is what an exact search computes: every pair cross-group; typed, each
+    # query against its SO pool (same label, other confounder) and OS pool (the reverse)
+    cross_info, typed_info = search.details
+    n = sc.groups.size
+    same_l = sc.labels[:, None] == sc.labels[None, :]
+    same_c = sc.confounders[:, None] == sc.confounders[None, :]
+    assert cross_info["search_pairs"] == n * n and cross_info["probe_fraction"] == 1.0
+    assert typed_info["search_pairs"] == int((same_l != same_c).sum()) and typed_info["probe_fraction"] == 1.0
+    assert cross_info["search_task_seconds"] > 0
     # several chunks, clusters and batches were involved
     part = tmp_path / "scratch" / "s0" / "partition"
     assert len(list(part.glob("chunk-?????.npy"))) == len(list(part.glob("chunk-?????.meta.npy"))) == 4
