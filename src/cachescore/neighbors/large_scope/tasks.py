@@ -150,7 +150,7 @@ class Targets:
         ``q_codes`` = (groups, labels, confounders) of all queries."""
         if "cross" in res:
             clusters = None if plan is None else plan["cross"]
-            self._run(qv, q_codes, qsel, self.select(0, self.tpos.size, clusters), k, res["cross"])
+            self._run(qv, q_codes, (qsel,), self.select(0, self.tpos.size, clusters), k, (res["cross"],))
             return
         ql, qc = q_codes[1][qsel], q_codes[2][qsel]
         for tc, (lo, hi) in self.span.items():
@@ -163,11 +163,10 @@ class Targets:
             self._run(qv, q_codes, (qsel[(ql == tl) & (qc != tcf)], qsel[(ql != tl) & (qc == tcf)]), tsel, k,
                       (res["so"], res["os"]))
 
-    def _run(self, qv, q_codes, qsel, tsel, k, table) -> None:
-        """Search targets ``tsel`` for the query rows ``qsel`` and merge into ``table`` ((idx, dist)
-        of all queries); or for several disjoint query sets at once (tuples, one table each)."""
-        sets = (qsel,) if not isinstance(qsel, tuple) else qsel
-        tables = (table,) if not isinstance(qsel, tuple) else table
+    def _run(self, qv, q_codes, sets, tsel, k, tables) -> None:
+        """Search targets ``tsel`` for disjoint query row sets ``sets`` (a tuple of index arrays)
+        in one kernel call, merging each set into its table of ``tables`` ((idx, dist) of all
+        queries, one per set)."""
         rows = np.concatenate(sets)
         if rows.size == 0 or tsel.size == 0:
             return
