@@ -82,16 +82,23 @@ def merge_tile(bi, bd, dist, tids, k):
     if flat.size == 0:
         return
     r = flat // w
-    c = flat - r * w
-    if dist.dtype == np.float32:
-        ib = max(int(tids.max(initial=0)), int(bi.max(initial=0)), 1).bit_length() + 1
+    _merge_candidates(bi, bd, np.ravel(dist)[flat], r, tids[flat - r * w], k)
+
+
+def _merge_candidates(bi, bd, new_d, new_r, new_i, k) -> None:
+    """Merge candidate entries (distances ``new_d`` in the tile's dtype, rows ``new_r``, indices
+    ``new_i``) into the running top-k ``bi`` / ``bd`` by (dist, idx), in place: one packed-key
+    sort for float32 when the keys fit 64 bits (:func:`merge_keys`), else a three-key lexsort."""
+    b = bi.shape[0]
+    if new_d.dtype == np.float32:
+        ib = max(int(new_i.max(initial=0)), int(bi.max(initial=0)), 1).bit_length() + 1
         rb = max(1, (b - 1).bit_length())
         if rb + 31 + ib <= 64:
-            merge_keys(bi, bd, np.ravel(dist)[flat], r, tids[c], k, ib)
+            merge_keys(bi, bd, new_d, new_r, new_i, k, ib)
             return
-    rows = np.concatenate([np.repeat(np.arange(b), k), r])
-    dd = np.concatenate([bd.ravel(), dist[r, c].astype(np.float64)])
-    ii = np.concatenate([bi.ravel(), tids[c]])
+    rows = np.concatenate([np.repeat(np.arange(b), k), new_r])
+    dd = np.concatenate([bd.ravel(), new_d.astype(np.float64)])
+    ii = np.concatenate([bi.ravel(), new_i])
     order = np.lexsort((ii, dd, rows))
     rows, dd, ii = rows[order], dd[order], ii[order]
     rank = np.arange(rows.size) - np.searchsorted(rows, np.arange(b))[rows]
@@ -168,24 +175,7 @@ def merge_similarity_tile(bi, bd, sim, q_groups, t_groups, tids, k, *, margin=No
     if not keep.any():
         return
     flat, r, d = flat[keep], r[keep], d[keep]
-    c = flat - r * w
-    if sim.dtype == np.float32:
-        ib = max(int(tids.max(initial=0)), int(bi.max(initial=0)), 1).bit_length() + 1
-        rb = max(1, (b - 1).bit_length())
-        if rb + 31 + ib <= 64:
-            merge_keys(bi, bd, d, r, tids[c], k, ib)
-            return
-    rows = np.concatenate([np.repeat(np.arange(b), k), r])
-    dd = np.concatenate([bd.ravel(), d.astype(np.float64)])
-    ii = np.concatenate([bi.ravel(), tids[c]])
-    order = np.lexsort((ii, dd, rows))
-    rows, dd, ii = rows[order], dd[order], ii[order]
-    rank = np.arange(rows.size) - np.searchsorted(rows, np.arange(b))[rows]
-    keep = (rank < k) & np.isfinite(dd)
-    bi[:] = -1
-    bd[:] = np.inf
-    bi[rows[keep], rank[keep]] = ii[keep]
-    bd[rows[keep], rank[keep]] = dd[keep]
+    _merge_candidates(bi, bd, d, r, tids[flat - r * w], k)
 
 
 def merge_keys(bi, bd, new_d, new_r, new_i, k, ib):
