@@ -14,12 +14,15 @@ which fans the search out over the cluster's workers:
    the scope's tileset rows and codes in ``rows.npy``, written once by the driver.
 2. **Calibration and audit** (ANN only): two seeded query samples get their exact answers from
    one brute-force task per chunk (both samples in one pass, merged by ``(distance, index)``);
-   the calibration sample picks the smallest *probe radius* whose recall reaches the target plus
-   half the margin: a search probes, from query cluster ``a``, every cluster whose centroid is
-   within the radius of ``a``'s (:func:`~cachescore.neighbors.partition.probe_distances`), so
-   each true neighbour's cluster tells from which radius on it is found
-   (:func:`~cachescore.neighbors.recall.radius_ladder`). A radius, unlike a fixed share of the
-   rows, probes few rows from a small tight region and many from a large one.
+   the calibration sample picks the *probe rule* of least work whose recall reaches the target
+   plus half the margin (:func:`~cachescore.neighbors.partition.calibrate_probe`, ADR-0013): from
+   query cluster ``a`` a search probes every cluster whose centroid is within the *probe radius*
+   of ``a``'s (:func:`~cachescore.neighbors.partition.probe_distances`), nearest first, grown to
+   a floor of rows (at least ``k`` + the largest group, so every query has ``k`` other-group
+   candidates); each true neighbour's cluster tells from which radius or floor on it is found.
+   A radius, unlike a fixed share of the rows, probes few rows from a small tight region and
+   many from a large one. Typed pools (one per target cell) are calibrated together, weighted by
+   the queries that search them.
 3. **Search**: one task per batch of query clusters (consecutive on a nearest-centroid chain, so
    their probe sets overlap) reads its queries and the clusters they probe (cross-group: all rows
    of the probed clusters; typed: their rows of every SO/OS target cell) from the chunk files
@@ -27,8 +30,9 @@ which fans the search out over the cluster's workers:
    (:func:`~cachescore.neighbors.partition.topk_tiles`) and writes a part file. The driver copies
    the parts into memory-mapped ``(n, k)`` tables, which the metrics read in row blocks.
 4. **Recall**: measured on the audit sample against its exact answers (tie-robust, like
-   :mod:`cachescore.neighbors.ann`). Below the target, the radius grows to the next rung and
-   the search reruns; ``r = inf`` probes every cluster, i.e. is an exact search (the ``exact``
+   :mod:`cachescore.neighbors.ann`). Below the target, the rule widens to the next rung of
+   :func:`~cachescore.neighbors.partition.probe_ladder` (each a superset of the last) and the
+   search reruns; ``r = inf`` probes every cluster, i.e. is an exact search (the ``exact``
    backend on large scopes runs with ``r = inf`` directly, without sampling).
 
 Memory per task: one chunk (partition), or ``BATCH_ROWS`` queries plus one ``PIECE_ROWS`` piece
