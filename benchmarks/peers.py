@@ -8,13 +8,15 @@ Two tables (``--tables``), the ones the metrics need, cosine distance on doubly-
   confounder) and to its OS pool (other label, same confounder), other slides only. Peers get one
   index per (label, confounder) cell; a query searches the cells of its SO and OS pools and their
   answers are merged (a slide lies inside one cell on these rows, so no exclusion is needed and
-  peers search exactly ``m``). Recall: the tie-robust distance recall the product audits with. Data: :func:`cachescore.cache.synthetic.make_scale_cache` (``--rows`` ×
-``--dim`` float32, slides of 20..100 tiles, clustered like foundation-model tile embeddings),
+  peers search exactly ``m``). Recall: the tie-robust distance recall the product audits with.
+
+Data: :func:`cachescore.cache.synthetic.make_scale_cache` (``--rows`` × ``--dim`` float32, slides of 20..100 tiles, clustered like foundation-model tile embeddings),
 built once under ``--workdir`` and loaded into memory.
 
 Contenders, each timed on its own (build + search, wall seconds, this process):
 
-* ``ours-exact``: :func:`cachescore.neighbors.exact.cross_group_knn` (blocked GEMM, each pair once);
+* ``ours-exact``: :func:`cachescore.neighbors.exact.cross_group_knn` /
+  :func:`cachescore.neighbors.typed.typed_knn` (blocked GEMM, each pair once);
 * ``ours-ivf``: :func:`cachescore.neighbors.ann.cross_group_knn_ann_with_recall` (``method="ivf"``,
   ``--target`` recall, calibrated probe fraction, exact distances on the probed rows; the
   in-memory engine, used for scopes below ``[neighbors] large_scope_rows``);
