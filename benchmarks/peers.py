@@ -10,8 +10,8 @@ Two tables (``--tables``), the ones the metrics need, cosine distance on doubly-
   answers are merged (a slide lies inside one cell on these rows, so no exclusion is needed and
   peers search exactly ``m``). Recall: the tie-robust distance recall the product audits with.
 
-Data: :func:`cachescore.cache.synthetic.make_scale_cache` (``--rows`` × ``--dim`` float32, slides of 20..100 tiles, clustered like foundation-model tile embeddings),
-built once under ``--workdir`` and loaded into memory.
+Data: :func:`cachescore.cache.synthetic.make_scale_cache` (``--rows`` × ``--dim`` float32,
+slides of 20..100 tiles, clustered like foundation-model tile embeddings), built once under ``--workdir`` and loaded into memory.
 
 Contenders, each timed on its own (build + search, wall seconds, this process):
 
@@ -32,8 +32,8 @@ Contenders, each timed on its own (build + search, wall seconds, this process):
 * ``faiss-hnsw``: ``IndexHNSWFlat(M=32)``, ``efSearch`` doubled until ``--target``;
 * ``hnswlib``: ``M=32``, ``ef_construction=200``, ``ef`` doubled until ``--target``.
 
-Cross-group: peers have no per-query exclusion, so they search ``k + g`` neighbours (``g`` = the largest slide)
-and drop same-slide rows afterwards: the honest cost of the cross-group constraint for them. Each
+Cross-group: peers have no per-query exclusion, so they search ``k + g`` neighbours (``g`` =
+the largest slide) and drop same-slide rows afterwards: the honest cost of the cross-group constraint for them. Each
 peer's tuning loop re-searches only the ``--recall-sample`` queries; the reported time is one
 build plus one full search at the chosen setting. Recall of every contender is measured against
 the exact answers of the same sample (the exact kernel on the sample rows only, so 1M rows need no
