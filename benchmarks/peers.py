@@ -11,7 +11,8 @@ Two tables (``--tables``), the ones the metrics need, cosine distance on doubly-
   peers search exactly ``m``). Recall: the tie-robust distance recall the product audits with.
 
 Data: :func:`cachescore.cache.synthetic.make_scale_cache` (``--rows`` × ``--dim`` float32,
-slides of 20..100 tiles, clustered like foundation-model tile embeddings), built once under ``--workdir`` and loaded into memory.
+slides of 20..100 tiles, clustered like foundation-model tile embeddings), built once under ``--workdir`` and loaded
+into memory.
 
 Contenders, each timed on its own (build + search, wall seconds, this process):
 
