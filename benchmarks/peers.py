@@ -63,6 +63,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -178,13 +179,10 @@ def keep_largest(best: np.ndarray, more: np.ndarray) -> np.ndarray:
     return np.partition(both, both.shape[1] - m, axis=1)[:, -m:]
 
 
-def typed_relations(codes, q: np.ndarray, cell: int, n_conf: int):
-    """Which of the queries ``q`` search target cell ``cell`` as their SO pool (same label, other
-    confounder) and which as their OS pool (other label, same confounder): two boolean masks."""
-    _, labels, conf = codes
-    tl, tc = divmod(int(cell), n_conf)
-    same_l, same_c = labels[q] == tl, conf[q] == tc
-    return {"so": same_l & ~same_c, "os": ~same_l & same_c}
+def typed_pools(same_label, same_conf) -> dict:
+    """``{"so": same label & other confounder, "os": other label & same confounder}`` (boolean
+    arrays of any matching shape): which targets are in a query's SO and OS pools."""
+    return {"so": same_label & ~same_conf, "os": ~same_label & same_conf}
 
 
 def typed_truth(u, codes, sample, m, block=32768) -> tuple:
@@ -197,8 +195,8 @@ def typed_truth(u, codes, sample, m, block=32768) -> tuple:
         blk = slice(s0, min(u.shape[0], s0 + block))
         sims = (q @ u[blk].T).astype(np.float64)
         sims[qg[:, None] == groups[blk][None, :]] = -np.inf
-        same_l, same_c = ql[:, None] == labels[blk][None, :], qc[:, None] == conf[blk][None, :]
-        for kind, mask in (("so", same_l & ~same_c), ("os", ~same_l & same_c)):
+        pools = typed_pools(ql[:, None] == labels[blk][None, :], qc[:, None] == conf[blk][None, :])
+        for kind, mask in pools.items():
             best[kind] = keep_largest(best[kind], np.where(mask, sims, -np.inf))
     return to_distances(best["so"]), to_distances(best["os"])
 
@@ -267,6 +265,17 @@ def peer_engines(faiss, hnswlib, threads, seed) -> dict:
     }
 
 
+@functools.cache
+def graph_warm_up() -> float:
+    """pynndescent's numba JIT, paid once per process (the workers do the same); seconds."""
+    from cachescore.neighbors import numba_env
+
+    numba_env.configure()
+    t0 = time.perf_counter()
+    numba_env.warm_up()
+    return round(time.perf_counter() - t0, 1)
+
+
 class Bench:
     """One run's data and bookkeeping: the rows, their codes, the recall sample, the results."""
 
@@ -281,16 +290,17 @@ class Bench:
         self.results[name] = {"seconds": seconds, "recall": rec, **extra}
         print(f"  {name:11s} {seconds:9.1f} s  recall {rec:.4f}  {extra}", flush=True)
 
-    def graph_warm_up(self) -> float:
-        """pynndescent's numba JIT, paid once per process (the workers do the same); seconds."""
-        from cachescore.neighbors import numba_env
-
-        if not hasattr(self, "_warm"):
-            numba_env.configure()
-            t0 = time.perf_counter()
-            numba_env.warm_up()
-            self._warm = round(time.perf_counter() - t0, 1)
-        return self._warm
+    def peer(self, name, build, answer, score, knobs):
+        """Build a peer's index (``build() -> index``), tune its knob on the recall sample
+        (``score(answer(index, sample, knob))``, :func:`tune`), time its full search at that knob
+        (:func:`timed_search`) and record build + search seconds."""
+        t0 = time.perf_counter()
+        index = build()
+        built = time.perf_counter() - t0
+        knob, rec = tune(lambda v: score(answer(index, self.sample, v)), knobs, self.args.target)
+        searched, from_q = timed_search(name, self.args, self.n, lambda q: answer(index, q, knob))
+        self.record(name, built + searched, rec, knob=knob, build_s=round(built, 1), search_s=round(searched, 1),
+                    **({"search_extrapolated_from": from_q} if from_q else {}))
 
     def summary(self, table):
         ref = next(c for c in ("ours-large", "ours-ivf", "ours-exact", *CONTENDERS) if c in self.results)
@@ -318,7 +328,7 @@ def run_cross(b: Bench) -> dict:
     for method in ("graph", "ivf"):
         if f"ours-{method}" in args.skip:
             continue
-        warm = b.graph_warm_up() if method == "graph" else None
+        warm = graph_warm_up() if method == "graph" else None
         t0 = time.perf_counter()
         res = cross_group_knn_ann_with_recall(u, groups, k, recall_target=args.target, random_state=args.seed,
                                               method=method, **({"n_jobs": args.threads} if warm else {}))
@@ -333,18 +343,11 @@ def run_cross(b: Bench) -> dict:
     for name, (build, search, knobs) in b.engines.items():
         if name in args.skip:
             continue
-        t0 = time.perf_counter()
-        index = build(u)
-        built = time.perf_counter() - t0
 
-        def answer(q, v, index=index, search=search):
+        def answer(index, q, v, search=search):
             return cross_from_candidates(*search(index, u[q], v, over), groups, q, k)
 
-        knob, rec = tune(lambda v, answer=answer: recall(answer(sample, v), truth), knobs(n, over), args.target)
-        searched, from_q = timed_search(name, args, n, lambda q, answer=answer: answer(q, knob))
-        b.record(name, built + searched, rec, knob=knob, build_s=round(built, 1), search_s=round(searched, 1),
-                 **({"search_extrapolated_from": from_q} if from_q else {}))
-        del index
+        b.peer(name, lambda build=build: build(u), answer, lambda idx: recall(idx, truth), knobs(n, over))
     return b.summary("cross-group")
 
 
@@ -355,7 +358,7 @@ def run_typed(b: Bench) -> dict:
     from cachescore.neighbors.ann import typed_knn_ann_with_recall
     from cachescore.neighbors.typed import typed_knn
 
-    args, u, n, m, sample = b.args, b.u, b.n, b.args.m, b.sample
+    args, u, m, sample = b.args, b.u, b.args.m, b.sample
     groups, labels, conf = b.codes
     n_conf = int(conf.max()) + 1
     cell = labels * n_conf + conf
@@ -380,7 +383,7 @@ def run_typed(b: Bench) -> dict:
     for method in ("graph", "ivf"):
         if f"ours-{method}" in args.skip:
             continue
-        warm = b.graph_warm_up() if method == "graph" else None
+        warm = graph_warm_up() if method == "graph" else None
         t0 = time.perf_counter()
         res = typed_knn_ann_with_recall(u, labels, conf, groups, m, recall_target=args.target,
                                         random_state=args.seed, method=method,
@@ -393,17 +396,19 @@ def run_typed(b: Bench) -> dict:
                                          args.workdir, table="typed")
         b.record("ours-large", sec, rec_of(so, os_), **_large_extra(det))
         del so, os_
+    smallest = min(rows.size for rows in cells.values())
     for name, (build, search, knobs) in b.engines.items():
         if name in args.skip:
             continue
-        t0 = time.perf_counter()
-        indexes = {t: build(np.ascontiguousarray(u[rows])) for t, rows in cells.items()}
-        built = time.perf_counter() - t0
 
-        def answer(q, v, indexes=indexes, search=search):
+        def build_cells(build=build):
+            return {t: build(np.ascontiguousarray(u[rows])) for t, rows in cells.items()}
+
+        def answer(indexes, q, v, search=search):
             best = {kind: np.full((q.size, m), -np.inf) for kind in ("so", "os")}
             for t, rows in cells.items():
-                for kind, sel in typed_relations(b.codes, q, t, n_conf).items():
+                tl, tc = divmod(t, n_conf)
+                for kind, sel in typed_pools(labels[q] == tl, conf[q] == tc).items():
                     qi = np.flatnonzero(sel)
                     for s0 in range(0, qi.size, 65536):  # bounded query blocks
                         blk = qi[s0:s0 + 65536]
@@ -414,13 +419,7 @@ def run_typed(b: Bench) -> dict:
                         best[kind][blk] = keep_largest(best[kind][blk], np.where(ok, sims.astype(np.float64), -np.inf))
             return to_distances(best["so"]), to_distances(best["os"])
 
-        smallest = min(rows.size for rows in cells.values())
-        knob, rec = tune(lambda v, answer=answer: typed_recall(answer(sample, v), truth, tol),
-                         knobs(smallest, over), args.target)
-        searched, from_q = timed_search(name, args, n, lambda q, answer=answer: answer(q, knob))
-        b.record(name, built + searched, rec, knob=knob, build_s=round(built, 1), search_s=round(searched, 1),
-                 **({"search_extrapolated_from": from_q} if from_q else {}))
-        del indexes
+        b.peer(name, build_cells, answer, lambda found: typed_recall(found, truth, tol), knobs(smallest, over))
     return b.summary("typed")
 
 
