@@ -314,6 +314,26 @@ def test_interrupted_run_resumes_with_identical_results(tmp_path, demo_cache):
         pd.testing.assert_frame_equal(ResultsStore(job.store).per_unit(fp), ResultsStore(clean_job.store).per_unit(fp))
 
 
+def test_an_early_end_counts_units_the_workers_stored_before_it(tmp_path, demo_cache):
+    """A worker writes a unit's record before the client fetches the unit's result: when the run
+    ends early in between, the summary and the provenance count that unit as done, not as not
+    run (the next run's plan skips it)."""
+    from cachescore.pipeline.execute import _settle_from_store
+
+    job = make_job(tmp_path, demo_cache)
+    plan = plan_job(job)
+    stored = dataclasses.replace(plan, pending=plan.pending[:3])
+    with open_client(None, n_workers=1, dashboard=False, processes=False) as client:
+        with stand_ins():
+            assert execute_plan(stored, client, retries=0, out=None) == (3, [])
+    ended = {plan.pending[0].fingerprint: {"status": "done"}}  # the one result this process fetched
+    _settle_from_store(plan, ResultsStore(job.store), ended)
+    assert set(ended) == {u.fingerprint for u in plan.pending[:3]}
+    assert all(ended[u.fingerprint]["status"] == "done" and ended[u.fingerprint]["label"] == u.label
+               for u in plan.pending[1:3])
+    assert len(plan_job(job).pending) == len(plan.pending) - 3
+
+
 def test_performance_report_and_progress(tmp_path, demo_cache):
     job = make_job(tmp_path, demo_cache, job={"encoders": ["enc0"], "views": ["centre_all"]},
                    metrics={"families": ["ri"]}, execution={"performance_report": True})

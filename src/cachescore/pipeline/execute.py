@@ -45,7 +45,8 @@ from ..results import probe_centre_table, probe_table, publish_tables, score_tab
 from ..store import CorruptRecordError, ResultsStore
 from ..store.lock import StoreLock, this_process
 from .cluster import open_client, open_cluster_client
-from .plan import Plan, UnitKind, code_version, plan_job
+from .interrupts import DeferredInterrupts
+from .plan import Plan, UnitKind, code_version, plan_job, unit_is_stored
 from .unit import drive_large_unit, run_probe_task, run_unit, unit_annotation
 from .validate import refuse_invalid, validate_plan
 
@@ -120,14 +121,41 @@ def _start(unit, client, drivers, *, bundles, run_id, retries):
 
 #: Loggers whose reconnect tracebacks follow a lost scheduler; silenced once the run says so itself.
 _RECONNECT_LOGGERS = ("distributed.client", "distributed.comm", "distributed.core")
+#: distributed's loggers whose level its config sets explicitly (the rest inherit ``distributed``).
+_DISTRIBUTED_LOGGERS = ("distributed", "distributed.client", "distributed.worker", "distributed.nanny",
+                        "distributed.scheduler", "distributed.core", "distributed.comm")
 _QUIETED: dict = {}
 
 
-def _quiet_reconnect_logs() -> None:
-    for name in _RECONNECT_LOGGERS:
+def _quiet_logs(names=_RECONNECT_LOGGERS) -> None:
+    """Raise ``names`` to CRITICAL in this process until :func:`_restore_logs`."""
+    for name in names:
         log = logging.getLogger(name)
         _QUIETED.setdefault(name, log.level)
         log.setLevel(logging.CRITICAL)
+
+
+def _quiet_worker_logs() -> None:
+    """Run on a worker of a cluster the run is about to tear down (no restore: it exits)."""
+    for name in _DISTRIBUTED_LOGGERS:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def _quiet_owned_cluster(client) -> None:
+    """A run that ends early (Ctrl-C, SIGTERM, an abort) and started its own cluster (a
+    LocalCluster, batch jobs: ``client.cluster`` is set) tears it down mid-work; its workers then
+    log each cancelled task and broken transfer with a traceback (``Async instruction …
+    CancelledError``, ``failed during get data``), noise after the run's own one-line ending.
+    Quiet distributed's logs on those workers (best effort, at most 5 s) and in this process (back
+    with :func:`_restore_logs` once the client is closed). An external scheduler's workers (``--scheduler``)
+    are not the run's to quiet and are left alone."""
+    if getattr(client, "cluster", None) is None:
+        return
+    _quiet_logs(_DISTRIBUTED_LOGGERS)
+    try:
+        client.sync(client._run, _quiet_worker_logs, on_error="ignore", callback_timeout=5)
+    except BaseException:  # noqa: BLE001 - best effort: the cluster is closed next anyway
+        pass
 
 
 def _restore_logs() -> None:
@@ -163,7 +191,7 @@ class _Watchdog:
         self.last_check = now
         if not self.connected():
             self.disconnected_since = self.disconnected_since or now
-            _quiet_reconnect_logs()  # the run says what happened itself (or reconnects: logs back below)
+            _quiet_logs()  # the run says what happened itself (or reconnects: logs back below)
             if force or now - self.disconnected_since >= self.grace_s:
                 raise RunAborted("scheduler-lost", f"lost the Dask scheduler at {self.address} "
                                                    f"(client {self.client.status}): {self._counts(done, pending)}")
@@ -249,8 +277,10 @@ def execute_plan(plan: Plan, client, *, store=None, retries: int = 2, out: TextI
     unit that ended, so a caller knows what ran when this function raises.
 
     Raises :class:`~cachescore.errors.RunAborted` when the scheduler is lost or has no worker for
-    ``no_workers_timeout`` seconds; ``KeyboardInterrupt`` passes through. Either way the
-    outstanding tasks are cancelled and the drivers stopped; what finished is in the store.
+    ``no_workers_timeout`` seconds, and :class:`~cachescore.errors.RunInterrupted` for Ctrl-C or
+    SIGTERM, taken at the loop's next turn (:class:`~.interrupts.DeferredInterrupts`, when called
+    from the main thread). Either way the outstanding tasks are cancelled and the drivers stopped;
+    what finished is in the store.
     """
     store = ResultsStore(plan.job.store) if store is None else store
     ended = {} if ended is None else ended
@@ -270,55 +300,60 @@ def execute_plan(plan: Plan, client, *, store=None, retries: int = 2, out: TextI
 
     succeeded, failures, fetch_errors = 0, [], {}
     try:
-        for u in sorted(pending, key=lambda u: u.kind is UnitKind.LARGE):  # tasks first, then drivers
-            fut = _start(u, client, drivers, bundles=plan.job.bundles, run_id=run_id, retries=retries)
-            futures[fut] = u.fingerprint
-            fut.add_done_callback(finished.put)
-        while len(ended) < len(futures):
-            try:
-                fut = finished.get(timeout=0.5)
-            except queue.Empty:
-                watchdog.check(len(ended), len(futures) - len(ended))
-                continue
-            unit = units[futures[fut]]
-            if isinstance(fut, LocalFuture):
-                res = fut.result()  # drive_large_unit records its own failures and never raises
-            elif _result_lost(client, fut):
-                # its small result was lost with its worker (a cancelled or preempted worker job):
-                # the scheduler recomputes it; wait for that in this loop, with the watchdog on
+        with DeferredInterrupts() as interrupts:  # signals raise at the loop's top, not inside distributed
+            for u in sorted(pending, key=lambda u: u.kind is UnitKind.LARGE):  # tasks first, then drivers
+                interrupts.check()
+                fut = _start(u, client, drivers, bundles=plan.job.bundles, run_id=run_id, retries=retries)
+                futures[fut] = u.fingerprint
                 fut.add_done_callback(finished.put)
-                continue
-            else:
-                status = fut.status
+            while len(ended) < len(futures):
+                interrupts.check()
                 try:
-                    res = fut.result(timeout=5)  # a small status dict: seconds at most when it is held
-                except TimeoutError:  # lost meanwhile (a worker died since the check): as above
+                    fut = finished.get(timeout=0.5)
+                except queue.Empty:
+                    watchdog.check(len(ended), len(futures) - len(ended))
+                    continue
+                unit = units[futures[fut]]
+                if isinstance(fut, LocalFuture):
+                    res = fut.result()  # drive_large_unit records its own failures and never raises
+                elif _result_lost(client, fut):
+                    # its small result was lost with its worker (a cancelled or preempted worker job):
+                    # the scheduler recomputes it; wait for that in this loop, with the watchdog on
                     fut.add_done_callback(finished.put)
                     continue
-                except (KeyboardInterrupt, SystemExit, RunInterrupted, RunAborted):
-                    raise
-                except BaseException as exc:  # noqa: BLE001 - erred after its retries; CancelledError (scheduler lost)
-                    fetch_errors[fut] = fetch_errors.get(fut, 0) + 1
-                    if status == "finished" or not watchdog.connected():
-                        # fetching a finished result failed, or the task was cancelled with the
-                        # connection: not the unit's failure unless it keeps happening
-                        watchdog.check(len(ended), len(futures) - len(ended), force=not watchdog.connected())
-                        if fetch_errors[fut] < 5:
-                            time.sleep(0.2)
-                            fut.add_done_callback(finished.put)
-                            continue
-                    err = f"{type(exc).__name__}: {exc}"
-                    _record_client_failure(store, unit, run_id, err)
-                    res = {"fingerprint": unit.fingerprint, "label": unit.label, "status": "failed", "error": err}
-                finally:
-                    fut.release()
-            if res["status"] == "done":
-                succeeded += 1
-            else:
-                failures.append({"label": unit.label, "fingerprint": unit.fingerprint, "error": res["error"]})
-            end(unit, res)
+                else:
+                    status = fut.status
+                    try:
+                        res = fut.result(timeout=5)  # a small status dict: seconds at most when it is held
+                    except TimeoutError:  # lost meanwhile (a worker died since the check): as above
+                        fut.add_done_callback(finished.put)
+                        continue
+                    except (KeyboardInterrupt, SystemExit, RunInterrupted, RunAborted):
+                        raise
+                    except BaseException as exc:  # noqa: BLE001 - erred after its retries; CancelledError (scheduler lost)
+                        fetch_errors[fut] = fetch_errors.get(fut, 0) + 1
+                        if status == "finished" or not watchdog.connected():
+                            # fetching a finished result failed, or the task was cancelled with the
+                            # connection: not the unit's failure unless it keeps happening
+                            watchdog.check(len(ended), len(futures) - len(ended), force=not watchdog.connected())
+                            if fetch_errors[fut] < 5:
+                                time.sleep(0.2)
+                                fut.add_done_callback(finished.put)
+                                continue
+                        err = f"{type(exc).__name__}: {exc}"
+                        _record_client_failure(store, unit, run_id, err)
+                        res = {"fingerprint": unit.fingerprint, "label": unit.label, "status": "failed", "error": err}
+                    finally:
+                        fut.release()
+                if res["status"] == "done":
+                    succeeded += 1
+                else:
+                    failures.append({"label": unit.label, "fingerprint": unit.fingerprint, "error": res["error"]})
+                end(unit, res)
     except BaseException:  # interrupted or aborted: cancel what is left; drivers stop at their next cluster call
         outstanding = [f for f, fp in futures.items() if fp not in ended and not isinstance(f, LocalFuture)]
+        if watchdog.connected():
+            _quiet_owned_cluster(client)  # before cancelling: the cancels are what its workers log
         if outstanding and watchdog.connected():
             try:
                 client.cancel(outstanding, reason="cachescore run ended early")
@@ -558,6 +593,7 @@ def _locked_run(job, plan, store, summary, *, scheduler, kind, out, processes, v
                     failures += fails
                 except BaseException as exc:
                     state, reason = _ending(exc)
+                    _settle_from_store(plan, store, ended)
                     summary.succeeded = sum(1 for s in ended.values() if s.get("status") == "done")
                     failures += [{"label": s.get("label"), "fingerprint": fp, "error": s.get("error")}
                                  for fp, s in ended.items() if s.get("status") != "done"]
@@ -582,6 +618,16 @@ def _locked_run(job, plan, store, summary, *, scheduler, kind, out, processes, v
     _finish(plan, store, summary, out=out, t0=t0)
     provenance("finished")
     return summary
+
+
+def _settle_from_store(plan: Plan, store, ended: dict) -> None:
+    """A run that ends early counts what its workers stored before the end, not only the results
+    this process had fetched (a worker writes a unit's record before the client hears of it): a
+    pending unit whose results are now complete in the store is added to ``ended`` as done — the
+    summary, the provenance's ``succeeded`` / ``not_run`` and the next run's plan then agree."""
+    for unit in plan.pending:
+        if unit.fingerprint not in ended and unit_is_stored(store, unit, plan.job.probe):
+            ended[unit.fingerprint] = {"fingerprint": unit.fingerprint, "label": unit.label, "status": "done"}
 
 
 def _dashboard_link(client) -> str | None:

@@ -307,7 +307,7 @@ def plan_job(job: Job, *, cache=None, store=None) -> Plan:
                 unit = WorkUnit(encoder=enc, view=view, tileset=tileset, design=design, metric=metric,
                                 confounder_column=confounder, params=params, cache_root=str(job.cache),
                                 store_root=str(job.store), inputs=unit_inputs, code_version=code, fingerprint=fp)
-                (done if store.has(fp) else pending).append(unit)
+                (done if unit_is_stored(store, unit, job.probe) else pending).append(unit)
     if job.probe is not None:
         _plan_probe_units(job, cache, store, encoders, views, code, pending, done, invalid, fps)
     return Plan(job=job, pending=tuple(pending), done=tuple(done), invalid=tuple(invalid), inputs=inputs)
@@ -370,7 +370,16 @@ def _plan_probe_units(job, cache, store, encoders, views, code, pending, done, i
             unit = WorkUnit(encoder=enc, view=view, tileset=spec.tileset, design="probe", metric="probe",
                             confounder_column=spec.confounder_column, params=params, cache_root=str(job.cache),
                             store_root=str(job.store), inputs=inputs, code_version=probe_code, fingerprint=fp)
-            (done if probe_unit_done(store, fp, job.probe) else pending).append(unit)
+            (done if unit_is_stored(store, unit, job.probe) else pending).append(unit)
+
+
+def unit_is_stored(store: ResultsStore, unit: WorkUnit, probe_params: dict | None = None) -> bool:
+    """Whether ``unit``'s results are complete in ``store`` (what makes a planned unit ``done``):
+    its record for a metric unit; every record of the sweep (:func:`probe_unit_done`, with the
+    job's ``[probe]`` parameters) for a probe unit."""
+    if unit.kind is UnitKind.PROBE:
+        return probe_unit_done(store, unit.fingerprint, probe_params)
+    return store.has(unit.fingerprint)
 
 
 def params_json(params: dict) -> str:
