@@ -55,5 +55,5 @@ def test_the_checker_sees_a_circle_and_a_private_import(tmp_path):
 def test_pipeline_holds_no_engine():
     pipeline = ROOT / "src" / "cachescore" / "pipeline"
     names = sorted(p.name for p in pipeline.glob("*.py"))
-    assert names == ["__init__.py", "cluster.py", "execute.py", "plan.py", "probe_unit.py", "prune.py", "status.py",
+    assert names == ["__init__.py", "cluster.py", "execute.py", "interrupts.py", "plan.py", "probe_unit.py", "prune.py", "status.py",
                      "unit.py", "validate.py", "watch.py"]
