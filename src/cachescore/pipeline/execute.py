@@ -135,12 +135,6 @@ def _quiet_logs(names=_RECONNECT_LOGGERS) -> None:
         log.setLevel(logging.CRITICAL)
 
 
-def _quiet_worker_logs() -> None:
-    """Run on a worker of a cluster the run is about to tear down (no restore: it exits)."""
-    for name in _DISTRIBUTED_LOGGERS:
-        logging.getLogger(name).setLevel(logging.CRITICAL)
-
-
 def _quiet_owned_cluster(client) -> None:
     """A run that ends early (Ctrl-C, SIGTERM, an abort) and started its own cluster (a
     LocalCluster, batch jobs: ``client.cluster`` is set) tears it down mid-work; its workers then
@@ -153,7 +147,8 @@ def _quiet_owned_cluster(client) -> None:
         return
     _quiet_logs(_DISTRIBUTED_LOGGERS)
     try:
-        client.sync(client._run, _quiet_worker_logs, on_error="ignore", callback_timeout=5)
+        # on the workers too (never restored there: they exit with the cluster)
+        client.sync(client._run, _quiet_logs, _DISTRIBUTED_LOGGERS, on_error="ignore", callback_timeout=5)
     except BaseException:  # noqa: BLE001 - best effort: the cluster is closed next anyway
         pass
 
