@@ -250,6 +250,40 @@ def _record_client_failure(store, unit, run_id, err: str) -> None:
         pass
 
 
+def _fetch(fut, unit, client, watchdog: _Watchdog, store, run_id, fetch_errors: dict,
+           counts: tuple) -> dict | None:
+    """The status dict of unit ``unit``'s completed future ``fut``, or None when the caller should
+    wait for it again: its small result was lost with its worker (the scheduler recomputes it), the
+    fetch timed out, or a fetch failed while the task had finished or the connection is in doubt
+    (not the unit's failure unless it keeps happening: 5 tries). A task that erred after its
+    retries is recorded as failed in the store here. ``counts`` = (units ended, units left), for
+    the watchdog's message. Raises what the watchdog raises (:class:`RunAborted`) and interrupts."""
+    if isinstance(fut, LocalFuture):
+        return fut.result()  # drive_large_unit records its own failures and never raises
+    if _result_lost(client, fut):
+        return None  # lost with its worker (a cancelled or preempted worker job): recomputed
+    status = fut.status
+    try:
+        return fut.result(timeout=5)  # a small status dict: seconds at most when it is held
+    except TimeoutError:  # lost meanwhile (a worker died since the check): as above
+        return None
+    except (KeyboardInterrupt, SystemExit, RunInterrupted, RunAborted):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - erred after its retries; CancelledError (scheduler lost)
+        fetch_errors[fut] = fetch_errors.get(fut, 0) + 1
+        if status == "finished" or not watchdog.connected():
+            # fetching a finished result failed, or the task was cancelled with the connection
+            watchdog.check(*counts, force=not watchdog.connected())
+            if fetch_errors[fut] < 5:
+                time.sleep(0.2)
+                return None
+        err = f"{type(exc).__name__}: {exc}"
+        _record_client_failure(store, unit, run_id, err)
+        return {"fingerprint": unit.fingerprint, "label": unit.label, "status": "failed", "error": err}
+    finally:
+        fut.release()
+
+
 def execute_plan(plan: Plan, client, *, store=None, retries: int = 2, out: TextIO | None = sys.stderr,
                  run_id: str | None = None, large_unit_drivers: int = 3, monitor: RunMonitor | None = None,
                  no_workers_timeout: float = 300.0, verbose: bool = False, ended: dict | None = None
@@ -309,37 +343,11 @@ def execute_plan(plan: Plan, client, *, store=None, retries: int = 2, out: TextI
                     watchdog.check(len(ended), len(futures) - len(ended))
                     continue
                 unit = units[futures[fut]]
-                if isinstance(fut, LocalFuture):
-                    res = fut.result()  # drive_large_unit records its own failures and never raises
-                elif _result_lost(client, fut):
-                    # its small result was lost with its worker (a cancelled or preempted worker job):
-                    # the scheduler recomputes it; wait for that in this loop, with the watchdog on
+                res = _fetch(fut, unit, client, watchdog, store, run_id, fetch_errors,
+                             (len(ended), len(futures) - len(ended)))
+                if res is None:  # put back: it completes (again) later
                     fut.add_done_callback(finished.put)
                     continue
-                else:
-                    status = fut.status
-                    try:
-                        res = fut.result(timeout=5)  # a small status dict: seconds at most when it is held
-                    except TimeoutError:  # lost meanwhile (a worker died since the check): as above
-                        fut.add_done_callback(finished.put)
-                        continue
-                    except (KeyboardInterrupt, SystemExit, RunInterrupted, RunAborted):
-                        raise
-                    except BaseException as exc:  # noqa: BLE001 - erred after its retries; CancelledError (scheduler lost)
-                        fetch_errors[fut] = fetch_errors.get(fut, 0) + 1
-                        if status == "finished" or not watchdog.connected():
-                            # fetching a finished result failed, or the task was cancelled with the
-                            # connection: not the unit's failure unless it keeps happening
-                            watchdog.check(len(ended), len(futures) - len(ended), force=not watchdog.connected())
-                            if fetch_errors[fut] < 5:
-                                time.sleep(0.2)
-                                fut.add_done_callback(finished.put)
-                                continue
-                        err = f"{type(exc).__name__}: {exc}"
-                        _record_client_failure(store, unit, run_id, err)
-                        res = {"fingerprint": unit.fingerprint, "label": unit.label, "status": "failed", "error": err}
-                    finally:
-                        fut.release()
                 if res["status"] == "done":
                     succeeded += 1
                 else:
