@@ -75,3 +75,32 @@ def test_outside_the_main_thread_nothing_changes():
     t.start()
     t.join()
     assert seen == {"same": True, "ok": True}
+
+
+def test_an_owned_cluster_is_quieted_before_teardown_and_an_external_one_is_not():
+    """An early end quiets distributed's logs on the workers of a cluster the run started (they
+    would print cancelled-task tracebacks while torn down) and here until the client is closed;
+    the workers behind an external scheduler are not the run's to quiet."""
+    import logging
+
+    from distributed import Client, LocalCluster
+
+    from cachescore.pipeline.execute import _quiet_owned_cluster, _restore_logs
+
+    def worker_level():
+        return logging.getLogger("distributed.worker").getEffectiveLevel()
+
+    before = worker_level()
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None,
+                      host="127.0.0.1") as cluster:
+        with Client(cluster.scheduler_address, set_as_default=False) as external:
+            assert external.cluster is None
+            _quiet_owned_cluster(external)
+            assert worker_level() == before
+            assert set(external.run(worker_level).values()) == {before}
+        with Client(cluster, set_as_default=False) as owned:
+            _quiet_owned_cluster(owned)
+            assert worker_level() == logging.CRITICAL
+            assert set(owned.run(worker_level).values()) == {logging.CRITICAL}
+    _restore_logs()
+    assert worker_level() == before
