@@ -140,9 +140,9 @@ def _quiet_owned_cluster(client) -> None:
     LocalCluster, batch jobs: ``client.cluster`` is set) tears it down mid-work; its workers then
     log each cancelled task and broken transfer with a traceback (``Async instruction …
     CancelledError``, ``failed during get data``), noise after the run's own one-line ending.
-    Quiet distributed's logs on those workers (best effort, at most 5 s) and in this process (back
-    with :func:`_restore_logs` once the client is closed). An external scheduler's workers (``--scheduler``)
-    are not the run's to quiet and are left alone."""
+    Quiet distributed's logs on those workers (best effort, at most 5 s) and in this process
+    (back with :func:`_restore_logs` once the client is closed). An external scheduler's workers
+    (``--scheduler``) are not the run's to quiet and are left alone."""
     if getattr(client, "cluster", None) is None:
         return
     _quiet_logs(_DISTRIBUTED_LOGGERS)

@@ -27,8 +27,9 @@ class DeferredInterrupts:
     :meth:`check` at a safe point to raise :class:`~cachescore.errors.RunInterrupted` (``signum``
     of the first signal). A second signal before ``check`` raises immediately. The previous
     handlers are restored on exit, and a signal not yet raised is raised then (unless another
-    exception is already leaving the block). A handler the caller set to ``SIG_IGN`` stays. Outside the main thread (an embedding caller's worker thread)
-    it changes nothing and :meth:`check` never raises: signals are not this thread's to take."""
+    exception is already leaving the block). A signal the caller set to ``SIG_IGN`` stays ignored.
+    Outside the main thread (an embedding caller's worker thread) it changes nothing and
+    :meth:`check` never raises: signals are not this thread's to take."""
 
     def __init__(self):
         self.signum: int | None = None

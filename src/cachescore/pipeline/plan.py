@@ -373,10 +373,10 @@ def _plan_probe_units(job, cache, store, encoders, views, code, pending, done, i
             (done if unit_is_stored(store, unit, job.probe) else pending).append(unit)
 
 
-def unit_is_stored(store: ResultsStore, unit: WorkUnit, probe_params: dict | None = None) -> bool:
+def unit_is_stored(store: ResultsStore, unit: WorkUnit, probe_params=None) -> bool:
     """Whether ``unit``'s results are complete in ``store`` (what makes a planned unit ``done``):
     its record for a metric unit; every record of the sweep (:func:`probe_unit_done`, with the
-    job's ``[probe]`` parameters) for a probe unit."""
+    job's ``[probe]`` parameters, ``ProbeParams`` or a mapping) for a probe unit."""
     if unit.kind is UnitKind.PROBE:
         return probe_unit_done(store, unit.fingerprint, probe_params)
     return store.has(unit.fingerprint)
