@@ -1,4 +1,5 @@
-"""Neighbour tables side by side: ours (exact, IVF, graph, out-of-core) vs faiss (flat, IVF, HNSW) and hnswlib, on the same rows.
+"""Neighbour tables side by side, on the same rows: ours (exact, IVF, graph, out-of-core) vs faiss
+(flat, IVF, HNSW) and hnswlib.
 
 Two tables (``--tables``), the ones the metrics need, cosine distance on doubly-normalised rows:
 
@@ -11,8 +12,8 @@ Two tables (``--tables``), the ones the metrics need, cosine distance on doubly-
   peers search exactly ``m``). Recall: the tie-robust distance recall the product audits with.
 
 Data: :func:`cachescore.cache.synthetic.make_scale_cache` (``--rows`` × ``--dim`` float32,
-slides of 20..100 tiles, clustered like foundation-model tile embeddings), built once under ``--workdir`` and loaded
-into memory.
+slides of 20..100 tiles, clustered like foundation-model tile embeddings), built once under
+``--workdir`` and loaded into memory.
 
 Contenders, each timed on its own (build + search, wall seconds, this process):
 
@@ -34,13 +35,13 @@ Contenders, each timed on its own (build + search, wall seconds, this process):
 * ``hnswlib``: ``M=32``, ``ef_construction=200``, ``ef`` doubled until ``--target``.
 
 Cross-group: peers have no per-query exclusion, so they search ``k + g`` neighbours (``g`` =
-the largest slide) and drop same-slide rows afterwards: the honest cost of the cross-group constraint for them. Each
-peer's tuning loop re-searches only the ``--recall-sample`` queries; the reported time is one
+the largest slide) and drop same-slide rows afterwards: the honest cost of the cross-group
+constraint for them. Each peer's tuning loop re-searches only the ``--recall-sample`` queries; the reported time is one
 build plus one full search at the chosen setting. Recall of every contender is measured against
 the exact answers of the same sample (the exact kernel on the sample rows only, so 1M rows need no
 full exact search; set overlap of the ``k`` indices; ours-ivf / ours-large also report their own
-self-measured recall). Prints, per table, a table and the ratio of each contender's time to ours-large's
-(ours-ivf's when skipped).
+self-measured recall). Prints, per table, a table and the ratio of each contender's time to
+ours-large's (ours-ivf's when skipped).
 
 ``--extrapolate NAME …`` times a peer's full search on ``--search-sample`` random query rows
 and scales it by ``n / sample`` (its search time is linear in the queries; the index is always

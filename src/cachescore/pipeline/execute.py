@@ -147,7 +147,8 @@ def _quiet_owned_cluster(client) -> None:
         return
     _quiet_logs(_DISTRIBUTED_LOGGERS)
     try:
-        # on the workers too (never restored there: they exit with the cluster)
+        # on the workers too (never restored there: they exit with the cluster); Client._run, as
+        # Client.run has no timeout and a wedged worker must not hold the ending up
         client.sync(client._run, _quiet_logs, _DISTRIBUTED_LOGGERS, on_error="ignore", callback_timeout=5)
     except BaseException:  # noqa: BLE001 - best effort: the cluster is closed next anyway
         pass
