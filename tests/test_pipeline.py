@@ -708,10 +708,12 @@ def test_prune_lists_then_removes_what_no_current_fingerprint_names(tmp_path, de
     plan = plan_job(job, store=store)
     current = {u.fingerprint for u in plan.units}
     dry = prune_store(plan, store)
-    assert len(dry.stale_records) == 8 and dry.abandoned_failures == ["ab" * 32] and not dry.applied
+    assert len(dry.stale_records) == 8 and dry.abandoned_failures == [] and not dry.applied
+    assert dry.outside_failures == ["ab" * 32]  # encoder 'gone' is not in this job's scope: kept by default
     assert not set(dry.stale_records) & current and len(store.stored_fingerprints()) == 16  # nothing deleted
-    done = prune_store(plan, store, apply=True)
-    assert done.bytes_freed > 0 and store.stored_fingerprints() == current
+    assert prune_store(plan, store, apply=True).abandoned_failures == [] and store.failure_fingerprints()
+    done = prune_store(plan, store, apply=True, all_jobs=True)
+    assert done.bytes_freed == 0 and store.stored_fingerprints() == current  # the first apply freed the 8
     assert store.failure_fingerprints() == set() and len(list((job.store / "units").glob("*/.*.parquet"))) == 8
     assert run(job).executed == 0  # the current results are intact
     assert prune_store(plan_job(job, store=store), store).stale_records == []

@@ -184,8 +184,10 @@ def test_corrupt_per_unit_is_reported_not_raised(store, tmp_path):
     data[len(data) // 2] ^= 0xFF  # same size, different checksum
     (pu / name).write_bytes(bytes(data))
     page = build_report(store.path, tmp_path / "r.html").read_text(encoding="utf-8")
-    assert "per-unit table unreadable" in section(page, "distributions")
-    assert leaderboard_rows(page, "RI · view centre_all")[0][1] == "enc_b"
+    # a damaged record is not a stored result (ADR-0014): named at the top, left out of the tables
+    assert "1 damaged record(s) left out of this report" in page and fp[:16] in page
+    assert "does not match its sha256 checksum" in page
+    assert "enc_b" not in [row[1] for row in leaderboard_rows(page, "RI · view centre_all")]
 
 
 def test_empty_store_and_cache_section(tmp_path):

@@ -197,10 +197,11 @@ def test_corrupt_table_checksum(tmp_path):
     data = bytearray(table.read_bytes())
     data[len(data) // 2] ^= 0xFF
     table.write_bytes(bytes(data))
-    with pytest.raises(CorruptRecordError, match="does not match its checksum; recompute"):
+    with pytest.raises(CorruptRecordError, match="does not match its sha256 checksum.*recompute the unit"):
         store.per_unit(fp)
+    assert not store.has(fp) and store.damaged([fp])  # damaged = not stored: the planner recomputes it
     with pytest.raises(KeyError):
-        store.per_unit(fp)
+        store.per_unit(fp_of(2))
 
 
 _WRITER = textwrap.dedent("""

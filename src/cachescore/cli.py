@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import tempfile
@@ -47,11 +48,12 @@ from .jobs import describe_schema, load_job
 from .jobs.schema import CLUSTER_KINDS
 from ._jsonsafe import json_safe
 from .pipeline import plan_job, run_job, unit_status
+from .pipeline.status import damaged_units
 from .pipeline.execute import build_results
-from .pipeline.prune import prune_store
+from .pipeline.prune import PruneRefused, prune_store
 from .pipeline.validate import refuse_invalid, validate_plan
-from .store import ResultsStore
-from .store.lock import LOCK_NAME, StoreLock
+from .store import CorruptRecordError, ResultsStore
+from .store.lock import StoreLock, process_alive
 from .store.verify import verify_store
 from .pipeline.watch import watch_job
 from .report import build_report
@@ -127,12 +129,16 @@ performance_report = true
 """
 
 
+_CONTROL = {i: f"\\x{i:02x}" for i in range(32)} | {10: "\\n", 13: "\\r", 9: "\\t", 127: "\\x7f"}
+
+
 def format_table(rows: list[dict], columns: list[str]) -> str:
-    """Fixed-width text table (no dependency); floats with 4 decimals."""
+    """Fixed-width text table (no dependency); floats with 4 decimals; control characters in a
+    cell (a newline in a name or a message) are shown escaped (``\\n``), so every row is one line."""
     def cell(v):
         if isinstance(v, float):
             return "nan" if v != v else f"{v:.4f}"
-        return "" if v is None else str(v)
+        return "" if v is None else str(v).translate(_CONTROL)
 
     body = [[cell(r.get(c)) for c in columns] for r in rows]
     widths = [max([len(c)] + [len(b[i]) for b in body]) for i, c in enumerate(columns)]
@@ -233,6 +239,10 @@ def _with_scores(rows: list[dict], job) -> list[dict]:
         table = read_scores(job.store)
     except FileNotFoundError:
         return rows
+    except (OSError, ValueError) as exc:  # a damaged tidy table: the units' own states still show
+        print(f"warning: {Path(job.store) / 'scores.parquet'} cannot be read ({' '.join(str(exc).split())[:160]}); "
+              f"CIs and ranks are not shown; `cachescore run {job.path}` rewrites it", file=sys.stderr)
+        return rows
     by_fp = {r["fingerprint"]: {k: (None if v is pd.NA else v) for k, v in r.items()}
              for r in table.to_dict("records")}
     out = []
@@ -259,12 +269,32 @@ def _runs_line(store: ResultsStore) -> str:
             states[store.read_provenance(run_id).get("state", "?")] += 1
         except (OSError, ValueError):
             states["unreadable"] += 1
-    holder, age = StoreLock(store.path, "status").holder() if (store.path / LOCK_NAME).is_file() else (None, None)
+    holder, age = StoreLock(store.path, "status").holder()
     text = "runs: " + (", ".join(f"{n} {s}" for s, n in sorted(states.items())) or "none")
     if holder:
-        text += (f"; in use by run {holder.get('run_id')} (host {holder.get('host')}, pid {holder.get('pid')}, "
-                 f"heartbeat {age:.0f} s ago)")
+        who = f"run {holder.get('run_id')} (host {holder.get('host')}, pid {holder.get('pid')}"
+        alive = process_alive(holder)
+        if alive is False:
+            text += f"; lock file left by {who}, process gone): the next run takes it over"
+        else:
+            text += f"; in use by {who}, heartbeat {age:.0f} s ago)" + ("" if alive else " on another host")
     return text
+
+
+def _damaged_lines(job_path, plan, store) -> list[str]:
+    """One line per damaged record of the plan (unit, fingerprint, what is wrong, the repair)."""
+    return [f"damaged record in results store {store.path}: unit {d['label']} (fingerprint {d['fingerprint'][:16]}): "
+            f"{d['problem']}; `cachescore run {job_path}` recomputes it" for d in damaged_units(plan, store)]
+
+
+def _refuse_damaged(job_path, plan, store) -> bool:
+    """Print ``error:`` lines for the plan's damaged records (at most 10, then a count); True if any."""
+    lines = _damaged_lines(job_path, plan, store)
+    for line in lines[:10]:
+        print(f"error: {line}", file=sys.stderr)
+    if len(lines) > 10:
+        print(f"error: ... and {len(lines) - 10} more damaged record(s)", file=sys.stderr)
+    return bool(lines)
 
 
 def _cmd_status(args) -> int:
@@ -341,6 +371,8 @@ def _cmd_compare(args) -> int:
     job = load_job(args.job)
     store = ResultsStore(job.store)
     plan = plan_job(job, store=store)
+    if _refuse_damaged(args.job, plan, store):
+        return 2
     rows = compare_encoders(store, Cache(job.cache), plan.record_fingerprints(), args.encoder_a, args.encoder_b,
                             view=args.view, metric=args.metric, bootstrap=job.metrics.get("bootstrap"))
     if args.json:
@@ -358,7 +390,16 @@ def _cmd_compare(args) -> int:
 def _cmd_prune(args) -> int:
     job = load_job(args.job)
     store = ResultsStore(job.store)
-    report = prune_store(plan_job(job, store=store), store, apply=args.apply)
+    plan = plan_job(job, store=store)
+    try:
+        report = prune_store(plan, store, apply=args.apply, all_jobs=args.all_jobs)
+    except PruneRefused as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    encoders = sorted({u.encoder for u in plan.units})
+    views = sorted({u.view for u in plan.units})
+    print(f"scope: job {job.name!r} ({args.job}): {len(plan.units)} unit(s) over {len(encoders)} encoder(s) x "
+          f"{len(views)} view(s)" + ("; --all-jobs: also everything no unit of this job names" if args.all_jobs else ""))
     verb = "removed" if report.applied else "would remove"
     print(f"{verb} {len(report.stale_records)} stale record(s) and {len(report.abandoned_failures)} abandoned "
           f"failure(s) from {job.store}" + (f" ({report.bytes_freed} bytes freed)" if report.applied else ""))
@@ -366,6 +407,10 @@ def _cmd_prune(args) -> int:
         print(f"  record  {fp}")
     for fp in report.abandoned_failures[:20]:
         print(f"  failure {fp}")
+    if not args.all_jobs and (report.outside_records or report.outside_failures):
+        print(f"kept {len(report.outside_records)} record(s) and {len(report.outside_failures)} failure(s) outside this "
+              "job's scope (another job sharing the store, or encoders / views / params this job does not name); "
+              "--all-jobs prunes them too")
     if not report.applied and (report.stale_records or report.abandoned_failures):
         print(f"dry run: nothing was deleted; run `cachescore prune {args.job} --apply` to delete")
     return 0
@@ -374,7 +419,10 @@ def _cmd_prune(args) -> int:
 def _cmd_export(args) -> int:
     job = load_job(args.job)
     store = ResultsStore(job.store)
-    scores, probe, centres = build_results(plan_job(job, store=store), store)
+    plan = plan_job(job, store=store)
+    if _refuse_damaged(args.job, plan, store):
+        return 2
+    scores, probe, centres = build_results(plan, store)
     out = Path(args.output) if args.output else Path(job.store) / "export" / f"scores.{args.format}"
     for path in export_tables(scores, probe, out, fmt=args.format, centres=centres):
         print(f"wrote {path}")
@@ -411,7 +459,8 @@ def _cmd_import(args) -> int:
     cache = import_cache(args.cache, tileset=args.tileset, manifest=args.manifest, encoders=encoders,
                          layout=args.layout, slide_column=args.slide_column,
                          tile_index_column=args.tile_index_column, h5_dataset=args.h5_dataset,
-                         views=views or None, shard_rows=args.shard_rows, overwrite=args.overwrite)
+                         views=views or None, shard_rows=args.shard_rows, overwrite=args.overwrite,
+                         follow_symlinks=args.follow_symlinks)
     print(f"imported {', '.join(encoders)} into {cache.root} (tileset {args.tileset}; "
           f"views: {', '.join(cache.views()) or 'none'})")
     return 0
@@ -450,6 +499,10 @@ def _cmd_report(args) -> int:
     job = load_job(args.job)
     out = Path(args.out) if args.out else Path(job.store) / "report.html"
     cache = Cache(job.cache) if Path(job.cache).is_dir() else None
+    if cache is not None and (Path(job.store) / "store.json").is_file():
+        store = ResultsStore(job.store)
+        if _refuse_damaged(args.job, plan_job(job, cache=cache, store=store), store):
+            return 2
     path = build_report(job.store, out, cache=cache)
     print(f"report: {path}")
     return 0
@@ -507,7 +560,11 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("prune", help="list (or with --apply delete) stored results and failures no current "
                                       "fingerprint of the job refers to")
     pr.add_argument("job")
-    pr.add_argument("--apply", action="store_true", help="delete them (default: a dry run that only lists)")
+    pr.add_argument("--apply", action="store_true", help="delete them (default: a dry run that only lists); takes "
+                                                         "the store's run lock")
+    pr.add_argument("--all-jobs", action="store_true",
+                    help="also prune records outside this job's scope (other jobs sharing the store, encoders, "
+                         "views or params the job does not name); default: they are listed and kept")
     pr.set_defaults(func=_cmd_prune)
 
     ex = sub.add_parser("export", help="write the tidy score and probe tables (with CIs, flags, ranks)")
@@ -552,6 +609,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--h5-dataset", default="features", help=".h5 dataset holding the features")
     i.add_argument("--view", action="append", metavar="NAME=CONFOUNDER[:DESIGN]",
                    help="also write a view over all manifest rows (repeatable)")
+    i.add_argument("--follow-symlinks", action="store_true",
+                   help="per_slide: read slide files that are symbolic links leaving the slide folder (default: "
+                        "refused, naming the slide)")
     i.add_argument("--shard-rows", type=int, default=None, help="rows per shard (default: ~64-256 MiB)")
     i.add_argument("--overwrite", action="store_true",
                    help="replace the given encoders' existing arrays of this tileset (never another encoder's) and "
@@ -607,6 +667,15 @@ def _interrupted_line(exc: BaseException, signum: int) -> str:
             "next run resumes)")
 
 
+def _error_text(exc: BaseException) -> str:
+    """The message of a job-level error: an ``OSError`` built as ``(errno, our message)`` without
+    its ``[Errno N]`` prefix (the message already says what and where); others as ``str``."""
+    if isinstance(exc, OSError) and exc.filename is None and len(exc.args) == 2 and isinstance(exc.args[1], str) \
+            and exc.args[1] != os.strerror(exc.errno or 0):
+        return exc.args[1]
+    return str(exc)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``cachescore`` command; returns the exit code (0 ok, 1 unit failures,
     2 job-level error or an aborted run, 130 / 143 interrupted by SIGINT / SIGTERM)."""
@@ -620,7 +689,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except (ValueError, OSError) as exc:  # job-level errors (ours subclass these); a bug shows its traceback
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {_error_text(exc)}", file=sys.stderr)
+        return 2
+    except CorruptRecordError as exc:  # a record damaged while being read (readers check before they read)
+        print(f"error: {exc} (`cachescore run {getattr(args, 'job', 'JOB')}` recomputes it)", file=sys.stderr)
         return 2
     except (KeyboardInterrupt, RunInterrupted) as exc:
         signum = exc.signum if isinstance(exc, RunInterrupted) else int(signal.SIGINT)

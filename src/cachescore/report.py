@@ -394,6 +394,16 @@ def _probe_html(store, probe: pd.DataFrame | None, scores: pd.DataFrame | None,
     return "".join(out)
 
 
+def _damaged_html(damaged: list[tuple[str, str]]) -> str:
+    """A warning naming the store's damaged records (left out of every table; ADR-0014)."""
+    if not damaged:
+        return ""
+    items = "".join(f"<li><code>{_e(fp[:16])}</code>: {_e(why)}</li>" for fp, why in damaged[:20])
+    more = f"<li>… and {len(damaged) - 20} more</li>" if len(damaged) > 20 else ""
+    return (f"<div class='panel'><strong>{len(damaged)} damaged record(s) left out of this report</strong> "
+            f"(<code>cachescore run JOB</code> recomputes them):<ul>{items}{more}</ul></div>")
+
+
 def _margins_html(store, scores: pd.DataFrame | None) -> str:
     if scores is None or scores.empty or "_error" in scores.columns:
         return "<p class='muted'>No scores.</p>"
@@ -684,6 +694,7 @@ def build_report(store_path, out_html, *, cache=None, bins: int = HIST_BINS) -> 
     store = ResultsStore(store_path)
     scores = store.scores()
     failures = store.failures()
+    damaged = store.damaged(sorted(store.stored_fingerprints()))
     groups = _leaderboards(scores)
     generated = datetime.now(timezone.utc).isoformat(timespec="seconds")
     n_enc = scores["encoder"].nunique() if not scores.empty else 0
@@ -706,7 +717,7 @@ def build_report(store_path, out_html, *, cache=None, bins: int = HIST_BINS) -> 
             f"<title>cachescore report: {_e(store_path.name)}</title><style>{_CSS}</style></head><body>"
             f"<h1>cachescore report</h1><p class='muted'>store <code>{_e(store_path)}</code> · generated {_e(generated)} · "
             f"{len(scores)} records, {n_enc} encoders, {n_view} views, {len(groups)} leaderboards, "
-            f"{len(failures)} failures</p><nav>{nav}</nav>{body}</body></html>\n")
+            f"{len(failures)} failures</p>{_damaged_html(damaged)}<nav>{nav}</nav>{body}</body></html>\n")
     out_html.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out_html, page.encode("utf-8"), overwrite=True)
     return out_html

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 from pathlib import Path
 from typing import Mapping
 
@@ -74,6 +75,9 @@ class _Source:
     def __init__(self, path: Path, *, h5_dataset: str, what: str):
         self.path, self.h5_dataset, self.what = Path(path), h5_dataset, what
         if not self.path.is_file():
+            kind = _not_regular(self.path)
+            if kind:
+                raise LayoutError(f"{what}: {self.path} is {kind}, not a regular file; give the feature file itself")
             raise CacheNotFoundError(f"{what}: file not found: {self.path}")
         suffix = self.path.suffix.lower()
         if suffix == ".npy":
@@ -164,7 +168,45 @@ class _Source:
             return self._native(self._dataset(fh)[lo:hi])
 
 
-def _slide_paths(spec, slides: list[str], *, encoder: str) -> dict[str, Path]:
+def _not_regular(path: Path) -> str | None:
+    """What ``path`` is when it exists but is not a regular file (``"a device"``, ...), else None."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    return ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "not a regular file")
+
+
+def _plain_slide_id(slide: str, encoder: str) -> str:
+    """``slide`` if it can name a file inside a slide folder (one path component), else raise."""
+    if not slide or slide in (".", "..") or any(c in slide for c in "/\\\0") or Path(slide).name != slide \
+            or any(ord(c) < 32 for c in slide):
+        raise CacheError(f"encoder {encoder!r}: slide id {slide!r} is not a plain file name (no '/', '\\', '..', "
+                         "control characters): the slide table decides which file is opened, so slide ids must "
+                         "name files inside the slide folder")
+    return slide
+
+
+def _inside(folder: Path, path: Path, *, slide: str, encoder: str, follow_symlinks: bool) -> Path:
+    """``path`` (a slide file found in ``folder``) if it stays inside the folder, else raise: a
+    symlink leaving the folder is refused unless ``follow_symlinks``; non-regular files always."""
+    kind = _not_regular(path)
+    if kind:
+        raise LayoutError(f"encoder {encoder!r}, slide {slide!r}: {path} is {kind}, not a regular file")
+    if not follow_symlinks:
+        real, base = path.resolve(), folder.resolve()
+        if base not in real.parents:
+            raise CacheError(f"encoder {encoder!r}, slide {slide!r}: {path} is a symbolic link to {real}, outside the "
+                             f"slide folder {folder}; refused (pass --follow-symlinks / follow_symlinks=True to read "
+                             "linked files)")
+    return path
+
+
+def _slide_paths(spec, slides: list[str], *, encoder: str, follow_symlinks: bool = False) -> dict[str, Path]:
     if isinstance(spec, Mapping):
         missing = [s for s in slides if s not in spec]
         if missing:
@@ -172,16 +214,25 @@ def _slide_paths(spec, slides: list[str], *, encoder: str) -> dict[str, Path]:
                                      f"{' (and more)' if len(missing) > 5 else ''}")
         return {s: Path(spec[s]) for s in slides}
     text = os.fspath(spec)
+    for s in slides:
+        _plain_slide_id(s, encoder)
     if "{slide}" in text:
-        return {s: Path(text.format(slide=s)) for s in slides}
+        prefix = text[: text.index("{slide}")]
+        base = Path(prefix) if prefix.endswith(("/", os.sep)) or not prefix else Path(prefix).parent
+        out = {s: Path(text.replace("{slide}", s)) for s in slides}
+        for s, path in out.items():
+            if path.exists() or path.is_symlink():
+                _inside(base, path, slide=s, encoder=encoder, follow_symlinks=follow_symlinks)
+        return out
     folder = Path(text)
     if not folder.is_dir():
         raise CacheNotFoundError(f"encoder {encoder!r}: slide folder not found: {folder}")
     out, missing = {}, []
     for s in slides:
         for suffix in _SLIDE_SUFFIXES:
-            if (folder / f"{s}{suffix}").is_file():
-                out[s] = folder / f"{s}{suffix}"
+            candidate = folder / f"{s}{suffix}"
+            if candidate.exists() or candidate.is_symlink():
+                out[s] = _inside(folder, candidate, slide=s, encoder=encoder, follow_symlinks=follow_symlinks)
                 break
         else:
             missing.append(s)
@@ -227,7 +278,7 @@ def _slide_coords(first: _Source, other: _Source, slide: str, encoder: str, firs
 
 
 def tiles_from_slides(frame: pd.DataFrame, *, slide_column: str, encoders: Mapping[str, object], h5_dataset: str,
-                      source: str) -> pd.DataFrame:
+                      source: str, follow_symlinks: bool = False) -> pd.DataFrame:
     """The tile manifest of a slide table: one row per tile of each slide's feature file.
 
     The first encoder's file of each slide gives the tiles: ``tile_index`` (row in the file),
@@ -246,7 +297,7 @@ def tiles_from_slides(frame: pd.DataFrame, *, slide_column: str, encoders: Mappi
                          "the slide files (give a tile manifest with sample_id instead to set them yourself)")
     slides = [str(s) for s in normalize_ids(frame[slide_column], source=source, column=slide_column)]
     names = list(encoders)
-    paths = {name: _slide_paths(encoders[name], slides, encoder=name) for name in names}
+    paths = {name: _slide_paths(encoders[name], slides, encoder=name, follow_symlinks=follow_symlinks) for name in names}
     counts, coords = [], []
     for s in slides:
         first = _Source(paths[names[0]][s], h5_dataset=h5_dataset, what=f"encoder {names[0]!r}, slide {s!r}")
@@ -328,6 +379,7 @@ def import_cache(
     shard_rows: int | None = None,
     overwrite: bool = False,
     validate: bool = True,
+    follow_symlinks: bool = False,
 ) -> Cache:
     """Import arrays + a tile (or slide) manifest into the cache at ``root``; return the :class:`Cache`.
 
@@ -346,6 +398,9 @@ def import_cache(
     overwrite : replace the given encoders' existing arrays of this tileset (never another
         encoder's, never a different tile manifest) and the given views.
     validate : re-read every written array with :meth:`Cache.validate_embeddings`.
+    follow_symlinks : ``per_slide`` folders / ``{slide}`` patterns: read slide files that are
+        symbolic links to files outside the folder (default: refused, naming the slide). Slide ids
+        must always be plain file names (no ``/``, ``..``); devices, FIFOs and folders are refused.
 
     Atomic: every input is read and checked (NaN rows included) into staging folders inside the
     cache before anything is published; a failure removes them and leaves the cache as it was, so a
@@ -370,9 +425,11 @@ def import_cache(
         check_name("view", view)
     frame, source = read_manifest(manifest, text_columns=("sample_id", "image_path", slide_column))
     frame = frame.reset_index(drop=True)
+    if layout == "per_slide" and "sample_id" not in frame.columns:
+        _check_slide_table(frame, slide_column, source)
     if layout == "per_slide" and is_slide_table(frame, slide_column):
         frame = tiles_from_slides(frame, slide_column=slide_column, encoders=encoders, h5_dataset=h5_dataset,
-                                  source=source)
+                                  source=source, follow_symlinks=follow_symlinks)
         tile_index_column = "tile_index"
     missing = [c for c in ("sample_id", "image_path") if c not in frame.columns]
     if missing:
@@ -381,7 +438,7 @@ def import_cache(
         raise CacheError(f"{source}: missing required columns {missing}{hint}")
     n = len(frame)
     plans = _read_plans(frame, source, encoders, layout=layout, slide_column=slide_column,
-                        tile_index_column=tile_index_column, h5_dataset=h5_dataset)
+                        tile_index_column=tile_index_column, h5_dataset=h5_dataset, follow_symlinks=follow_symlinks)
     root = Path(root)
     out = tileset_frame(tileset, frame)
     tiles_file = tiles_path(root, tileset)
@@ -416,6 +473,7 @@ def import_cache(
     except BaseException:
         for staging in staged.values():
             shutil.rmtree(staging, ignore_errors=True)
+        _remove_empty_folders(root, list(plans))
         raise
     # publication: every input has been read and checked; the manifest first, then each encoder by rename
     if not tiles_file.is_file():
@@ -436,6 +494,33 @@ def import_cache(
     return cache
 
 
+def _check_slide_table(frame: pd.DataFrame, slide_column: str, source: str) -> None:
+    """A ``per_slide`` manifest without ``sample_id`` is a slide table: its slide column must exist
+    and name each slide once (the message names the column, the repeated slides and their rows)."""
+    if slide_column not in frame.columns:
+        raise CacheError(f"{source}: no column {slide_column!r} (--slide-column) to name the slides, and no sample_id "
+                         f"column (so it is not a tile manifest either); its columns are {list(frame.columns)[:12]}")
+    ids = frame[slide_column].astype(str).str.strip()
+    dup = ids.duplicated(keep=False).to_numpy()
+    if dup.any():
+        repeated = list(dict.fromkeys(ids[dup]))
+        raise CacheError(f"{source}: a slide table has one row per slide, but column {slide_column!r} repeats "
+                         f"{len(repeated)} slide id(s), e.g. {repeated[0]!r} at rows {_rows(np.flatnonzero(ids.to_numpy() == repeated[0]))}"
+                         f" (all: {repeated[:5]}{' ...' if len(repeated) > 5 else ''}); remove the duplicates, or give a "
+                         "tile manifest with sample_id and image_path")
+
+
+def _remove_empty_folders(root: Path, encoders: list[str]) -> None:
+    """After a failed import: remove ``embeddings/<encoder>/`` folders (and ``embeddings/``) that the
+    import left empty; folders holding anything are kept."""
+    for name in encoders:
+        for folder in (Path(root) / "embeddings" / name, Path(root) / "embeddings"):
+            try:
+                folder.rmdir()
+            except OSError:  # not empty, or absent
+                pass
+
+
 def _check_view_columns(frame: pd.DataFrame, view: str, confounder: str, source: str) -> None:
     """A view over every manifest row needs ``label``, ``group_id`` and its confounder column,
     none blank or null: checked before anything is written (rows named)."""
@@ -450,7 +535,7 @@ def _check_view_columns(frame: pd.DataFrame, view: str, confounder: str, source:
 
 
 def _read_plans(frame: pd.DataFrame, source: str, encoders: Mapping[str, object], *, layout: str, slide_column: str,
-                tile_index_column: str | None, h5_dataset: str) -> dict[str, tuple]:
+                tile_index_column: str | None, h5_dataset: str, follow_symlinks: bool = False) -> dict[str, tuple]:
     """Per encoder ``(dim, dtype, read_block)`` after checking every file against the manifest."""
     n = len(frame)
     plans: dict[str, tuple] = {}
@@ -482,7 +567,7 @@ def _read_plans(frame: pd.DataFrame, source: str, encoders: Mapping[str, object]
         tile_index = raw.to_numpy().astype(np.int64)
     counts = np.bincount(codes, minlength=len(slides))
     for name, spec in encoders.items():
-        paths = _slide_paths(spec, slides, encoder=name)
+        paths = _slide_paths(spec, slides, encoder=name, follow_symlinks=follow_symlinks)
         sources = [_Source(paths[s], h5_dataset=h5_dataset, what=f"encoder {name!r}, slide {s!r}") for s in slides]
         dims = {src.shape[1] for src in sources}
         dtypes = {src.dtype for src in sources}

@@ -27,6 +27,7 @@ job file can travel with its cache. ``print(describe_schema())`` lists every key
 from __future__ import annotations
 
 import math
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +60,16 @@ BACKENDS = ("exact", "ann", "auto")
 
 #: Designs a job may force; ``auto`` uses each view's design hint (``all`` when it has none).
 JOB_DESIGNS = ("auto", "all", "paired_2x2")
+
+
+def _check_apart(cache: Path, store: Path, src: str) -> None:
+    """The results store and the cache must be separate folders, neither inside the other (a store
+    written into a cache would be read as cache content, and ``prune`` could delete cache files)."""
+    a, b = Path(os.path.realpath(cache)), Path(os.path.realpath(store))
+    if a == b or a in b.parents or b in a.parents:
+        rel = "the same folder" if a == b else ("inside the cache" if a in b.parents else "around the cache")
+        raise JobError(f"{src}: job.store {store} is {rel} ({cache}); the results store and the cache must be "
+                       "separate folders, neither inside the other")
 
 
 class JobError(ValueError):
@@ -439,6 +450,7 @@ def parse_job(doc: dict, *, path: str | Path | None = None) -> Job:
             raise JobError(str(exc)) from None
         document["probe"] = probe.to_dict()
     store = resolve(jobs["store"])
+    _check_apart(resolve(jobs["cache"]), store, src)
     return Job(
         path=Path(path).resolve() if path is not None else None,
         name=jobs["name"],

@@ -232,10 +232,10 @@ def project_rows(u, dim, *, random_state=None, sample=10000, block=65536) -> np.
     pick = np.sort(rng.choice(n, size=min(n, int(sample)), replace=False))
     x = np.asarray(u[pick], dtype=np.float64)
     _, vecs = np.linalg.eigh(x.T @ x)  # ascending eigenvalues
-    basis = np.ascontiguousarray(vecs[:, ::-1][:, :dim], dtype=np.float32)
+    basis = np.ascontiguousarray(vecs[:, ::-1][:, :dim], dtype=np.float64)
     z = np.empty((n, dim), dtype=np.float32)
-    for s in range(0, n, block):
-        zb = np.asarray(u[s : s + block], dtype=np.float32) @ basis
+    for s in range(0, n, block):  # float64 products rounded once to float32: the same proxy for any block
+        zb = np.asarray(u[s : s + block], dtype=np.float64) @ basis
         norms = np.linalg.norm(zb, axis=1, keepdims=True)
         norms[norms == 0] = 1.0
         z[s : s + block] = zb / norms
@@ -822,8 +822,8 @@ def cross_group_knn_ann_with_recall(
             recall_target=target, n_recall_queries=0, rounds=0, candidate_width=0, exact=True,
         )
     if method == "ivf":
-        if n <= BRUTE_MAX_ROWS:
-            idx, dist = _brute(u, groups, rows, rows, kmax, block=brute_block)
+        if n <= BRUTE_MAX_ROWS:  # the exact engine itself: bit-identical to backend "exact" whatever the BLAS kernel
+            idx, dist = cross_group_knn(u, groups, kmax, block_rows=block_rows, block_cols=block_cols)
             return AnnKnnResult(
                 idx=idx, dist=dist, recall=1.0, recall_target=target, n_recall_queries=0, rounds=0,
                 candidate_width=n - 1, exact=True, method="ivf",
@@ -952,14 +952,15 @@ def typed_knn_ann_with_recall(
     if block_rows is not None:
         check_positive_int("block_rows", block_rows)
 
-    if method == "ivf" and n <= TYPED_BRUTE_MAX_ROWS:
-        # small scope: the exact typed engine (symmetric tiles) is faster than any probing
+    if n <= TYPED_BRUTE_MAX_ROWS:
+        # small scope: the exact typed engine (symmetric tiles) is faster than any probing and, being
+        # the exact engine itself, bit-identical to it whatever the BLAS kernel (both methods)
 
         so_d, os_d = typed_knn(u, labels, confounders, groups, m)
         nc = len(np.unique(np.stack([labels, confounders], axis=1), axis=0)) if n else 0
         return AnnTypedResult(
             so_dist=so_d, os_dist=os_d, recall=1.0, recall_target=target, n_recall_queries=0,
-            rounds=0, n_cells=nc, exact_cells=nc, method="ivf", probe_fraction=1.0,
+            rounds=0, n_cells=nc, exact_cells=nc, method=method, probe_fraction=1.0,
         )
     if method == "ivf":
         so_d, os_d, recall, nq, rounds, frac, exact = _ivf_typed_search(

@@ -25,6 +25,9 @@ import json
 from dataclasses import dataclass, field
 from enum import Enum
 
+import numpy as np
+import pandas as pd
+
 from .._jsonsafe import json_default
 from ..cache import Cache
 from ..fingerprint import code_version, fingerprint
@@ -216,6 +219,64 @@ def undefined_scope(frame, confounder: str, design: str, view: str) -> str | Non
     return None
 
 
+def _scopes(frame, design: str) -> list[tuple[str, object]]:
+    """``[(scope name, its rows)]``: the whole view under ``all``, each subset under ``paired_2x2``."""
+    if design == "paired_2x2" and "subset" in frame.columns:
+        return [(str(k), part) for k, part in frame.groupby(frame["subset"].astype(str).str.strip(), sort=True)]
+    return [("dataset", frame)]
+
+
+def _typed_counts(part, confounder: str):
+    """Per row of ``part``: how many SO rows (same label, other confounder value) and OS rows (other
+    label, same confounder) it has outside its own ``group_id`` (spec §1: the candidates CRoMa draws
+    its m nearest SO and OS neighbours from). Two int64 arrays."""
+    y = part["label"].astype(str).str.strip().to_numpy()
+    c = part[confounder].astype(str).str.strip().to_numpy()
+    g = part["group_id"].astype(str).to_numpy() if "group_id" in part.columns else np.arange(len(part)).astype(str)
+    t = pd.DataFrame({"y": y, "c": c, "g": g})
+
+    def count(*cols):
+        return t.groupby(list(cols))["y"].transform("size").to_numpy(dtype=np.int64)
+
+    n_yc, n_y, n_c = count("y", "c"), count("y"), count("c")
+    g_yc, g_y, g_c = count("g", "y", "c"), count("g", "y"), count("g", "c")
+    return (n_y - n_yc) - (g_y - g_yc), (n_c - n_yc) - (g_c - g_yc)
+
+
+def scope_size_problem(frame, confounder: str, design: str, view: str, metric: str, params: dict) -> str | None:
+    """Why ``metric`` with ``params`` cannot be scored on ``view`` for lack of rows, or None.
+
+    RI / MaRI select k among ``k_candidates`` that are ``< n`` (spec §3: all-rows k-selection; under
+    ``paired_2x2`` at least one subset needs one). CRoMa needs, for every row, ``m`` SO and ``m``
+    OS candidates outside its group (§7.5: one unscoreable row fails the unit). The message names
+    the view, the scope, the parameter and the counts, so ``validate`` refuses before a cluster
+    starts. Views lacking the columns are left to the metric's own validation."""
+    if confounder not in frame.columns or "label" not in frame.columns or not len(frame):
+        return None
+    scopes = _scopes(frame, design)
+    if metric in ("ri", "mari"):
+        ks = sorted(int(k) for k in params.get("k_candidates", []))
+        sizes = {name: len(part) for name, part in scopes}
+        if ks and all(ks[0] >= n for n in sizes.values()):
+            where = "its rows" if design != "paired_2x2" else f"its largest subset ({max(sizes, key=sizes.get)!r})"
+            return (f"view {view!r} ({design}): every k in k_candidates {ks} is >= the {max(sizes.values())} rows of "
+                    f"{where}; k-selection needs a candidate k < the scope size: add smaller k values to "
+                    f"[metrics.{metric}] k_candidates")
+    elif metric == "croma":
+        m = int(params["m"])
+        for name, part in scopes:
+            so, os_ = _typed_counts(part, confounder)
+            worst = int(min(so.min(), os_.min()))
+            if worst < m:
+                where = f"view {view!r}" + ("" if name == "dataset" else f", scope {name!r}")
+                row = int((so if so.min() <= os_.min() else os_).argmin())
+                kind = "SO" if so.min() <= os_.min() else "OS"
+                return (f"{where} ({len(part)} rows): CRoMa m={m} needs {m} SO and {m} OS neighbours outside each "
+                        f"row's group, but row {row} of the scope has only {worst} {kind} candidate(s); lower "
+                        f"[metrics.croma] m to at most {worst} or score a larger view")
+    return None
+
+
 def _design_for(job: Job, hint) -> str:
     if job.design != "auto":
         return job.design
@@ -294,6 +355,8 @@ def plan_job(job: Job, *, cache=None, store=None) -> Plan:
             emb_fp, dim, emb_err = embedding(enc, tileset) if view_err is None else (None, None, None)
             for metric, mparams in families:
                 err = view_err or emb_err or scope_err
+                if err is None:
+                    err = scope_size_problem(frame, confounder, design, view, metric, mparams)
                 if err is not None:
                     ident = {"encoder": enc, "view": view, "tileset": tileset, "design": design,
                              "family": metric, "metric": metric, "params": mparams}

@@ -9,7 +9,10 @@ States:
   params from other inputs or code: it will be recomputed, never reused. ``detail`` says what
   changed (``embeddings changed``, ``view changed``, ``code changed``) where the old record tells;
 * ``missing`` -- never scored; ``detail`` says why it is new (``new encoder``, ``params changed``,
-  ``never scored``).
+  ``never scored``);
+* ``damaged`` -- the store holds a record for this fingerprint that cannot be trusted (envelope
+  does not parse, per-unit table missing, truncated or not matching its checksum); the planner
+  treats it as pending, so the next ``cachescore run`` recomputes it (``detail`` says what is wrong).
 
 Probe-sweep units are listed per stored record (one row per (matrix, reduction): ``metric`` is
 ``apd`` or ``nipd``, ``scope`` the matrix), so their values show like the metric units'.
@@ -24,7 +27,7 @@ from ..store import ResultsStore
 from .plan import UnitKind, params_json, plan_job
 from .probe_unit import probe_record_fingerprint, probe_record_keys
 
-__all__ = ["unit_status", "pending_reasons", "StoreIndex"]
+__all__ = ["unit_status", "pending_reasons", "StoreIndex", "damaged_units"]
 
 
 def _first_line(text, limit: int = 160) -> str:
@@ -92,7 +95,7 @@ class StoreIndex:
         return "missing", None, "never scored"
 
 
-def _probe_rows(unit, index: StoreIndex) -> list[dict]:
+def _probe_rows(unit, index: StoreIndex, damaged: dict) -> list[dict]:
     unit_failed = index.failed.get(unit.fingerprint)
     rows = []
     for matrix, metric in probe_record_keys(unit.params):
@@ -103,6 +106,8 @@ def _probe_rows(unit, index: StoreIndex) -> list[dict]:
         failed = index.failed.get(fp) or unit_failed
         if fp in index.by_fp:
             row.update(state="done", value=index.by_fp[fp].get("value"))
+        elif fp in damaged:
+            row.update(state="damaged", detail=f"damaged record: {damaged[fp]} (the next run recomputes it)")
         elif failed is not None:
             row.update(state="failed", detail=_first_line(failed.get("error")))
         else:
@@ -116,7 +121,7 @@ def unit_status(job, *, cache=None, store=None) -> list[dict]:
     """One row per work unit (probe units: per record; invalid units included).
 
     Keys: ``encoder, view, design, metric, scope`` (probe matrix, else None), ``params`` (canonical
-    JSON), ``fingerprint``, ``state`` (``done | failed | stale | missing``), ``value`` (the stored
+    JSON), ``fingerprint``, ``state`` (``done | failed | stale | missing | damaged``), ``value`` (the stored
     value; for ``stale`` the old one) and ``detail`` (the error of a failed unit, what changed
     for a stale one, why a missing one is new).
 
@@ -126,15 +131,18 @@ def unit_status(job, *, cache=None, store=None) -> list[dict]:
     store = ResultsStore(job.store) if store is None else store
     plan = plan_job(job, cache=cache, store=store)
     index = StoreIndex(store)
+    damaged = {d["fingerprint"]: d["problem"] for d in damaged_units(plan, store)}
     rows = []
     for u in plan.units:
         if u.kind is UnitKind.PROBE:
-            rows.extend(_probe_rows(u, index))
+            rows.extend(_probe_rows(u, index, damaged))
             continue
         row = {"encoder": u.encoder, "view": u.view, "design": u.design, "metric": u.metric, "scope": None,
                "params": params_json(u.params), "fingerprint": u.fingerprint, "value": None, "detail": ""}
         if u.fingerprint in index.by_fp:
             row.update(state="done", value=index.by_fp[u.fingerprint].get("value"))
+        elif u.fingerprint in damaged:
+            row.update(state="damaged", detail=f"damaged record: {damaged[u.fingerprint]} (the next run recomputes it)")
         elif u.fingerprint in index.failed:
             row.update(state="failed", detail=_first_line(index.failed[u.fingerprint].get("error")))
         else:
@@ -169,3 +177,18 @@ def pending_reasons(plan, *, store=None) -> list[dict]:
             reason = index.explain(u)[2]
         out.append({"label": u.label, "fingerprint": u.fingerprint, "reason": reason})
     return out
+
+
+def damaged_units(plan, store) -> list[dict]:
+    """Records of the plan's units that exist in ``store`` but are damaged (an envelope that does
+    not parse, a per-unit table missing, truncated or not matching its checksum): ``[{"label",
+    "fingerprint", "problem"}]``, in plan order. The planner treats those units as pending (one
+    predicate: :meth:`~cachescore.store.ResultsStore.damaged`), so ``cachescore run`` repairs them."""
+    labels = {}
+    for u in plan.units:
+        if u.kind is UnitKind.PROBE:
+            for matrix, metric in probe_record_keys(u.params):
+                labels[probe_record_fingerprint(u.fingerprint, matrix, metric)] = f"{u.label}/{matrix}/{metric}"
+        else:
+            labels[u.fingerprint] = u.label
+    return [{"label": labels[fp], "fingerprint": fp, "problem": why} for fp, why in store.damaged(labels)]

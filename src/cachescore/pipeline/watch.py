@@ -41,7 +41,8 @@ class WatchPoll:
     """One poll: ``new`` (pending units that are new work, each ``{"label", "fingerprint",
     "reason"}``), ``known_failures`` (pending units whose fingerprint already failed) and the
     :class:`~.execute.RunSummary` of the run it started (None when it started none); ``error``
-    says why a run could not happen (the store locked by another run, the cluster lost)."""
+    says why a run could not happen (the store locked by another run or not writable, the cluster lost;
+    the next poll tries again)."""
 
     poll: int
     new: list = field(default_factory=list)
@@ -105,9 +106,16 @@ def watch_job(job_or_path, *, interval: float = 300.0, max_runs: int | None = No
         ensure_demo_cache(job, out)
         if not Path(job.cache).is_dir():
             raise FileNotFoundError(f"{job.path or '<job>'}: cache folder not found: {job.cache}")
-        new, known = poll_job(job)
-        poll = WatchPoll(poll=n, new=new, known_failures=known)
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        try:
+            new, known = poll_job(job)
+        except OSError as exc:  # the store cannot be read or written now (disk full, a mount gone)
+            polls.append(WatchPoll(poll=n, new=[], known_failures=[], error=str(exc)))
+            _say(out, f"[{stamp}] poll {n}: not run: {exc}; trying again at the next poll")
+            if max_runs is None or n < int(max_runs):
+                sleep(float(interval))
+            continue
+        poll = WatchPoll(poll=n, new=new, known_failures=known)
         if new:
             by_reason = Counter(r["reason"] for r in new)
             _say(out, f"[{stamp}] poll {n}: {len(new)} unit(s) to score ("
@@ -117,7 +125,7 @@ def watch_job(job_or_path, *, interval: float = 300.0, max_runs: int | None = No
             try:
                 poll.summary = run(job, scheduler=scheduler, cluster=cluster, out=out if progress else None,
                                    **run_kwargs)
-            except (StoreLockedError, RunAborted) as exc:  # another run holds the store, the cluster went away
+            except (StoreLockedError, RunAborted, OSError) as exc:  # store locked or unwritable, cluster gone
                 poll.error = str(exc)
                 _say(out, f"[{stamp}] poll {n}: not run: {exc}; trying again at the next poll")
             else:

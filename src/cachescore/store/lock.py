@@ -18,7 +18,13 @@ Acquiring (:meth:`StoreLock.acquire`):
 
 Releasing empties the file and drops the flock; the file itself stays (unlinking it would let
 two processes lock two different inodes). Readers (``status``, ``report``, ``export``) never
-take the lock.
+take the lock; ``prune --apply`` takes it like a run.
+
+The lock file is opened with ``O_NOFOLLOW`` and must be a regular file with a single link: a
+symlink, a hard link to a file elsewhere, a FIFO or a device at ``<store>/run.lock`` is refused
+with :class:`LockFileError` naming it (never followed, never truncated). A failure to write the
+holder (disk full) raises :class:`LockFileError` naming the store and the lock file, and the
+descriptor and flock are released before it propagates.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import threading
 import time
 from datetime import datetime, timezone
@@ -35,7 +42,8 @@ from pathlib import Path
 
 import psutil
 
-__all__ = ["StoreLock", "StoreLockedError", "LOCK_NAME", "process_alive", "this_process"]
+__all__ = ["StoreLock", "StoreLockedError", "LockFileError", "LOCK_NAME", "process_alive", "this_process",
+           "lock_file_problem"]
 
 #: The lock file's name inside the store.
 LOCK_NAME = "run.lock"
@@ -43,6 +51,46 @@ LOCK_NAME = "run.lock"
 
 class StoreLockedError(OSError):
     """Another live run holds the store's lock (the message names it)."""
+
+
+class LockFileError(OSError):
+    """The store's lock file is not a plain file of its own (symlink, hard link, FIFO, device), or
+    it could not be written (disk full, read-only); the message names the store and the file."""
+
+
+def _open_flags(write: bool) -> int:
+    flags = (os.O_RDWR | os.O_CREAT) if write else os.O_RDONLY
+    return flags | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def lock_file_problem(path) -> str | None:
+    """Why the lock file at ``path`` must not be used (a symlink, another link to the same inode,
+    not a regular file), or None when it is absent or a plain file. Follows no link."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"cannot be inspected: {exc.strerror or exc}"
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            target = os.readlink(path)
+        except OSError:
+            target = "?"
+        return f"is a symbolic link (to {target!r}); a lock file is never followed: remove the link"
+    return _inode_problem(st)
+
+
+def _inode_problem(st: os.stat_result) -> str | None:
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("a folder" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
+                else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
+                else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
+        return f"is {kind}, not a regular file: remove it"
+    if st.st_nlink > 1:
+        return (f"has {st.st_nlink} hard links (another name shares its content, possibly outside the store); "
+                "remove it so a fresh lock file is created")
+    return None
 
 
 def this_process() -> dict:
@@ -101,11 +149,22 @@ class StoreLock:
     # -- reading ------------------------------------------------------------------------------
     def holder(self) -> tuple[dict | None, float | None]:
         """``(holder info, seconds since its heartbeat)`` from the lock file, or ``(None, None)``."""
+        if lock_file_problem(self.path) is not None:
+            return None, None
         try:
-            text = self.path.read_text(encoding="utf-8")
-            age = time.time() - self.path.stat().st_mtime
+            fd = os.open(self.path, _open_flags(write=False))
+        except OSError:
+            return None, None
+        try:
+            st = os.fstat(fd)
+            if _inode_problem(st) is not None or st.st_size > 65536:
+                return None, None
+            text = os.pread(fd, st.st_size, 0).decode("utf-8")
+            age = time.time() - st.st_mtime
         except (OSError, UnicodeDecodeError):
             return None, None
+        finally:
+            os.close(fd)
         try:
             info = json.loads(text) if text.strip() else None
         except json.JSONDecodeError:
@@ -113,8 +172,29 @@ class StoreLock:
         return (info, age) if isinstance(info, dict) else (None, None)
 
     # -- locking ------------------------------------------------------------------------------
+    def _refuse(self, why: str) -> LockFileError:
+        return LockFileError(errno.EPERM, f"results store {self.path.parent}: lock file {self.path} {why}")
+
+    def _open(self) -> int:
+        """The lock file's descriptor: created if absent, never through a link (see module docstring)."""
+        why = lock_file_problem(self.path)
+        if why is not None:
+            raise self._refuse(why)
+        try:
+            fd = os.open(self.path, _open_flags(write=True), 0o644)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # became a link between the check and the open
+                raise self._refuse("is a symbolic link; a lock file is never followed: remove the link") from None
+            raise LockFileError(exc.errno, f"results store {self.path.parent}: cannot open lock file {self.path}: "
+                                           f"{exc.strerror or exc}") from None
+        why = _inode_problem(os.fstat(fd))
+        if why is not None:
+            os.close(fd)
+            raise self._refuse(why)
+        return fd
+
     def acquire(self) -> "StoreLock":
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = self._open()
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -135,13 +215,27 @@ class StoreLock:
                         errno.EBUSY, f"results store {self.path.parent} is in use by {_describe(holder, age)} on "
                         f"another host; its lock counts as stale after {self.stale_after_s:.0f} s without a "
                         f"heartbeat ([execution] stale_lock_age; lock file {self.path})")
-                why = "its process is gone" if alive is False else f"no heartbeat for {age:.0f} s"
+                if alive is False:
+                    why = "its process is gone"
+                elif alive:
+                    why = (f"its process {holder.get('pid')} is alive but does not hold the lock (it ended its "
+                           "run without clearing the file)")
+                else:
+                    why = f"no heartbeat for {age:.0f} s" if age is not None else "no heartbeat"
                 self.taken_over = f"{_describe(holder, age)}: {why}"
             self._fd = fd
-            self._write({"run_id": self.run_id, **this_process(), "started_at": _now(), "heartbeat_at": _now()})
+            try:
+                self._write({"run_id": self.run_id, **this_process(), "started_at": _now(), "heartbeat_at": _now()})
+            except OSError as exc:
+                raise LockFileError(exc.errno, f"results store {self.path.parent}: cannot write lock file "
+                                               f"{self.path}: {exc.strerror or exc}") from None
         except BaseException:
-            if self._fd is None:
-                os.close(fd)
+            self._fd = None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            except OSError:
+                pass
+            os.close(fd)
             raise
         self._stop.clear()
         self._beat = threading.Thread(target=self._heartbeat, name="cachescore-store-lock", daemon=True)
@@ -156,8 +250,10 @@ class StoreLock:
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
+            fd = self._fd
             try:
-                os.utime(self.path)
+                if fd is not None:
+                    os.utime(fd)  # the descriptor, never the name: a link put there later is not followed
             except OSError:  # a full or vanished filesystem: the run reports its own write errors
                 pass
 

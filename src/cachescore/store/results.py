@@ -15,8 +15,12 @@ unique name (atomic), then the envelope JSON, naming that file and its sha256, i
 ``.partial`` sibling and renamed to ``<fp>.json``. The key exists only after that rename, so a crash
 at any point leaves either no record or a complete one. Readers accept an envelope only if it
 parses, has this code's record version (:data:`~.schema.RECORD_VERSION`; records of
-another version are ignored, so their units are recomputed, never converted), names its own fingerprint and its per-unit file exists with the
-recorded size (and, when read, checksum); anything else is ignored and the unit is recomputed.
+another version are ignored, so their units are recomputed, never converted), names its own
+fingerprint and its per-unit file exists with the recorded size and sha256 checksum; anything else
+is a *damaged* record: absent for the planner (its unit is pending again and the next run
+recomputes it, replacing the damaged files), listed by :meth:`ResultsStore.damaged` for readers
+and ``status --verify``. Checksums are memoised per file identity (inode, size, mtime), so a
+planner that asks twice hashes once.
 Different processes may write different (or even the same) units concurrently: every file they
 create has a unique name until the final atomic rename.
 """
@@ -109,6 +113,14 @@ class ResultsStore:
     def __repr__(self) -> str:
         return f"ResultsStore({str(self.path)!r})"
 
+    def _digest(self, f: Path, st: os.stat_result) -> str:
+        """sha256 of file ``f`` (``st``: its stat), memoised by identity (inode, size, mtime)."""
+        memo = self.__dict__.setdefault("_digests", {})
+        key = (str(f), st.st_ino, st.st_size, st.st_mtime_ns)
+        if key not in memo:
+            memo[key] = hashlib.sha256(f.read_bytes()).hexdigest()
+        return memo[key]
+
     # -- paths --------------------------------------------------------------------------------
     @staticmethod
     def _check_fp(fp) -> str:
@@ -124,14 +136,54 @@ class ResultsStore:
 
     # -- reading ------------------------------------------------------------------------------
     def _envelope(self, fp: str) -> dict | None:
-        """The unit's envelope if it is complete and trustworthy, else None."""
-        return self.inspect_envelope(fp)[0]
+        """The unit's envelope if it is complete and trustworthy (checksum included), else None."""
+        return self.inspect_envelope(fp, checksum=True)[0]
+
+    def damaged(self, fps) -> list[tuple[str, str]]:
+        """``(fingerprint, what is wrong)`` of each of ``fps`` whose envelope file exists but is not
+        a complete, trustworthy record (see the module docstring); the planner treats those units
+        as pending, so ``cachescore run`` recomputes them."""
+        out = []
+        for fp in fps:
+            if not self._unit_json(self._check_fp(fp)).exists():
+                continue
+            env, why = self.inspect_envelope(fp, checksum=True)
+            if env is None and why != "missing":
+                out.append((fp, why))
+        return out
+
+    @staticmethod
+    def _raw_json(path: Path) -> dict | None:
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            return None
+        return doc if isinstance(doc, dict) else None
+
+    def raw_record(self, fp: str) -> dict | None:
+        """The record dict an envelope holds, trustworthy or not (its per-unit table unchecked), or
+        None when the envelope is absent or does not parse: what a record *claims* to be (used to
+        tell which job's scope it belongs to, never to report a value)."""
+        rec = (self._raw_json(self._unit_json(self._check_fp(fp))) or {}).get("record")
+        return rec if isinstance(rec, dict) else None
+
+    def failure_unit(self, fp: str) -> dict | None:
+        """The unit identity a failure file records (``encoder``, ``view``, ``metric``, ...), or None."""
+        unit = (self._raw_json(self._failure_json(self._check_fp(fp))) or {}).get("unit")
+        return unit if isinstance(unit, dict) else None
+
+    def _raw_table_name(self, fp: str) -> str | None:
+        """The per-unit table file an envelope names, whether or not the record is trustworthy."""
+        pu = (self._raw_json(self._unit_json(fp)) or {}).get("per_unit")
+        name = pu.get("file") if isinstance(pu, dict) else None
+        ok = isinstance(name, str) and Path(name).name == name and name.startswith(f".{fp}.")
+        return name if ok else None
 
     def inspect_envelope(self, fp: str, *, checksum: bool = False) -> tuple[dict | None, str | None]:
         """``(envelope, None)`` when the stored unit ``fp`` is complete and trustworthy, else
         ``(None, what is wrong)`` (``"missing"`` when there is no envelope). ``checksum`` also
-        hashes the per-unit table (readers do that only when they read it; ``status --verify``
-        always does)."""
+        hashes the per-unit table (memoised; every reader of this class does, so the planner,
+        the readers and ``status --verify`` share one predicate)."""
         path = self._unit_json(fp)
         try:
             env = json.loads(path.read_text(encoding="utf-8"))
@@ -155,10 +207,10 @@ class ResultsStore:
             f = path.parent / pu["file"]
             if not f.is_file():
                 return None, f"per-unit table {f.name} is missing"
-            size = f.stat().st_size
-            if size != pu["bytes"]:
-                return None, f"per-unit table {f.name} has {size} bytes, the envelope says {pu['bytes']}"
-            if checksum and hashlib.sha256(f.read_bytes()).hexdigest() != pu["sha256"]:
+            st = f.stat()
+            if st.st_size != pu["bytes"]:
+                return None, f"per-unit table {f.name} has {st.st_size} bytes, the envelope says {pu['bytes']}"
+            if checksum and self._digest(f, st) != pu["sha256"]:
                 return None, f"per-unit table {f.name} does not match its sha256 checksum"
         try:
             record_to_row(env["record"], fingerprint=fp, finished_at=env["finished_at"])
@@ -211,10 +263,12 @@ class ResultsStore:
     def per_unit(self, fp: str) -> pd.DataFrame:
         """The per-unit table stored with ``fp`` (an empty frame if none was stored).
 
-        Raises ``KeyError`` if no complete record exists and :class:`CorruptRecordError` (a
-        ``KeyError``) if the table's checksum differs from the envelope's.
+        Raises ``KeyError`` if no record exists and :class:`CorruptRecordError` (a ``KeyError``)
+        if it is damaged (its table missing, truncated or off its checksum).
         """
-        env = self._envelope(self._check_fp(fp))
+        env, why = self.inspect_envelope(self._check_fp(fp), checksum=True)
+        if env is None and why != "missing":
+            raise CorruptRecordError(f"record {fp} in {self.path} is damaged ({why}); recompute the unit")
         if env is None:
             raise KeyError(f"no complete record for fingerprint {fp} in {self.path}")
         pu = env.get("per_unit")
@@ -273,7 +327,7 @@ class ResultsStore:
             buf = io.BytesIO()
             pq.write_table(pa.Table.from_pandas(per_unit, preserve_index=False), buf)
             data = buf.getvalue()
-        previous = self._envelope(fp)  # its per-unit table is unreferenced once this one is published
+        previous = self._raw_table_name(fp)  # unreferenced once this one is published (damaged or not)
         written, pointer = target, None
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -291,9 +345,8 @@ class ResultsStore:
             if written == target and pointer is not None:  # the envelope failed: its new table is unreferenced
                 (target.parent / pointer["file"]).unlink(missing_ok=True)
             raise StoreWriteError(exc.errno, f"cannot write {written}: {exc.strerror or exc}") from exc
-        old = (previous or {}).get("per_unit") or {}
-        if old.get("file") and old["file"] != (pointer or {}).get("file"):
-            (target.parent / old["file"]).unlink(missing_ok=True)
+        if previous and previous != (pointer or {}).get("file"):
+            (target.parent / previous).unlink(missing_ok=True)
         try:
             self._failure_json(fp).unlink()
         except FileNotFoundError:

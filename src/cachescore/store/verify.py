@@ -9,7 +9,10 @@
 * ``provenance``: a run provenance that does not parse, has no known ``state``, or says
   ``running`` while its process is gone (``cachescore run`` / ``status`` mark those
   ``interrupted``);
-* ``lock``: a lock file naming a holder whose process is gone.
+* ``lock``: a lock file naming a holder whose process is gone, or one that is not a plain file of
+  its own (a symlink, a hard link, a FIFO: ``run`` refuses it);
+* ``table``: a tidy table at the store's top level (``scores.parquet``, ``probe.parquet``, ...)
+  that Parquet cannot read (truncated, damaged footer); the next ``cachescore run`` rewrites it.
 """
 
 from __future__ import annotations
@@ -18,8 +21,11 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from .atomic import PARTIAL_SUFFIX
-from .lock import LOCK_NAME, StoreLock, process_alive
+from .lock import LOCK_NAME, StoreLock, lock_file_problem, process_alive
 from .results import _FP, ResultsStore
 
 __all__ = ["StoreProblem", "verify_store", "RUN_STATES"]
@@ -92,9 +98,30 @@ def verify_store(store_path) -> list[StoreProblem]:
         elif state == "running" and process_alive(info.get("process") or {}) is False:
             problems.append(StoreProblem("provenance", str(prov), "says 'running' but its process "
                                          f"{(info.get('process') or {}).get('pid')} is gone (an interrupted run)"))
-    if (root / LOCK_NAME).is_file():
+    lock_why = lock_file_problem(root / LOCK_NAME)
+    if lock_why is not None:
+        problems.append(StoreProblem("lock", str(root / LOCK_NAME), f"cachescore run refuses it: {lock_why}"))
+    elif (root / LOCK_NAME).is_file():
         holder, _ = StoreLock(root, "verify").holder()
         if holder and process_alive(holder) is False:
             problems.append(StoreProblem("lock", str(root / LOCK_NAME), f"names run {holder.get('run_id')} whose "
                                          f"process {holder.get('pid')} is gone (the next run takes it over)"))
+    problems += _table_problems(root)
     return problems
+
+
+def _table_problems(root: Path) -> list[StoreProblem]:
+    """The store's top-level Parquet tables that do not read back (footer, schema and every page)."""
+    out = []
+    for table in sorted(root.glob("*.parquet")) if root.is_dir() else []:
+        try:
+            pq.read_table(table)
+        except (OSError, pa.ArrowException, ValueError) as exc:
+            out.append(StoreProblem("table", str(table), f"does not read as Parquet ({_one_line(exc)}); the next "
+                                                         "`cachescore run` rewrites it"))
+    return out
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text[:200]
