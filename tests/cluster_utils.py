@@ -172,3 +172,16 @@ def dask_subprocess_cluster() -> Iterator[SubprocessCluster]:
     """A 2-worker, 1-thread-per-worker real-process cluster on 127.0.0.1, torn down afterwards."""
     with subprocess_cluster(n_workers=2, nthreads=1) as cluster:
         yield cluster
+
+
+def mount_tmpfs(path, size: str) -> bool:
+    """Mount a tmpfs of ``size`` (e.g. ``"5m"``) at ``path`` (created); False where mounting is not
+    permitted (not root / no CAP_SYS_ADMIN), so the caller skips with that reason."""
+    from pathlib import Path
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0

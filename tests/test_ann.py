@@ -47,6 +47,7 @@ from cachescore.neighbors.registry import (
 
 from cachescore.neighbors.exact import cross_group_knn as _exact_cross_group_knn
 from cachescore.neighbors.typed import typed_knn
+from blas_equality import assert_same_neighbours
 
 
 def clustered(n, d, *, seed=0, dtype=np.float32, n_labels=2, n_conf=4, smin=20, smax=100):
@@ -103,22 +104,6 @@ def reference_typed(u, labels, conf, groups, m):
 
 def exact_oracle(u, groups, kmax):
     return _exact_cross_group_knn(u, groups, kmax)
-
-
-def assert_same_neighbours(idx, dist, ref_idx, ref_dist, tol):
-    """Equal tables up to near-tie swaps (see module docstring). Returns the swap count."""
-    assert idx.shape == ref_idx.shape and idx.dtype == np.int64 and dist.dtype == np.float64
-    fin = np.isfinite(ref_dist)
-    np.testing.assert_array_equal(np.isfinite(dist), fin)
-    np.testing.assert_allclose(dist[fin], ref_dist[fin], rtol=0, atol=tol)
-    np.testing.assert_array_equal(idx[~fin], -1)
-    diff = np.argwhere(idx != ref_idx)
-    for r, p in diff:
-        # the reference row must hold a near-tie partner for this position (or it is the last)
-        near = np.abs(ref_dist[r] - ref_dist[r, p]) <= 2 * tol
-        near[p] = False
-        assert near.any() or p == idx.shape[1] - 1, (r, p, dist[r], ref_dist[r])
-    return len(diff)
 
 
 def full_recall(dist, ref_dist, tol):

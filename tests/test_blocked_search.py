@@ -31,6 +31,7 @@ from cachescore.neighbors.blocked import (
     distributed_typed_knn,
     make_search,
 )
+from blas_equality import assert_same_search
 
 pytestmark = [
     pytest.mark.cluster,
@@ -143,8 +144,7 @@ def test_cross_group_knn_blocks_equal_whole_scope(client):
     with threadpool_limits(limits=1):
         want = exact.cross_group_knn(u, groups, 12)
     got = distributed_cross_group_knn(client, u, groups, 12, block_rows=70)
-    np.testing.assert_array_equal(got[0], want[0])
-    np.testing.assert_array_equal(got[1], want[1])
+    assert_same_search(got, want, u)  # bit-identical on a shape-invariant BLAS (tests/blas_equality.py)
     # RI end to end through make_search equals the single-process RI
     from cachescore.metrics.ri import RI
 

@@ -27,7 +27,7 @@ from cachescore.cli import DEMO_JOB
 from cachescore.store import ResultsStore
 from cachescore.store.lock import LOCK_NAME
 from cachescore.store.verify import verify_store
-from cluster_utils import subprocess_cluster
+from cluster_utils import mount_tmpfs, subprocess_cluster
 
 pytestmark = pytest.mark.cluster
 
@@ -226,14 +226,6 @@ def test_second_run_on_the_same_store_is_refused_at_once(tmp_path, cache):
     assert verify_store(store) == []  # no orphans
 
 
-def _mount_tmpfs(path: Path, size: str) -> bool:
-    path.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        return False
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                          capture_output=True).returncode == 0
-
-
 def _umount(path: Path) -> None:
     subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
@@ -241,7 +233,7 @@ def _umount(path: Path) -> None:
 @pytest.fixture
 def small_disk():
     root = Path(tempfile.mkdtemp(prefix="cachescore-tmpfs-"))
-    if not _mount_tmpfs(root, "5m"):
+    if not mount_tmpfs(root, "5m"):
         shutil.rmtree(root, ignore_errors=True)
         pytest.skip("mount -t tmpfs is not permitted here (needs root / CAP_SYS_ADMIN)")
     try:
@@ -279,7 +271,7 @@ def test_disk_full_is_recorded_per_unit_and_the_rest_still_runs(tmp_path, cache,
 def read_only_store(tmp_path, cache):
     """A store scored in full on its own tmpfs, then remounted read-only."""
     mount = Path(tempfile.mkdtemp(prefix="cachescore-ro-"))
-    if not _mount_tmpfs(mount, "64m"):
+    if not mount_tmpfs(mount, "64m"):
         shutil.rmtree(mount, ignore_errors=True)
         pytest.skip("mount -t tmpfs is not permitted here (needs root / CAP_SYS_ADMIN)")
     try:

@@ -34,6 +34,7 @@ from cachescore.pipeline.watch import watch_job
 from cachescore.store import ResultsStore
 from cachescore.store.lock import LOCK_NAME, LockFileError, StoreLock
 from cachescore.store.verify import verify_store
+from cluster_utils import mount_tmpfs
 
 N_UNITS = 12
 
@@ -168,18 +169,10 @@ def test_a_lock_write_failure_names_the_store_and_releases_the_descriptor(tmp_pa
         pass
 
 
-def _mount_tmpfs(path: Path, size: str) -> bool:
-    path.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        return False
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                          capture_output=True).returncode == 0
-
-
 def test_a_store_already_full_when_run_starts_is_named(copy, capsys):
     job, cache, store = copy
     disk = Path(tempfile.mkdtemp(prefix="cachescore-full-"))
-    if not _mount_tmpfs(disk, "2m"):
+    if not mount_tmpfs(disk, "2m"):
         shutil.rmtree(disk, ignore_errors=True)
         pytest.skip("mount -t tmpfs is not permitted here (needs root / CAP_SYS_ADMIN)")
     try:

@@ -207,6 +207,9 @@ def _inside(folder: Path, path: Path, *, slide: str, encoder: str, follow_symlin
 
 
 def _slide_paths(spec, slides: list[str], *, encoder: str, follow_symlinks: bool = False) -> dict[str, Path]:
+    """Each slide's feature file for one encoder: ``spec`` is a mapping slide -> path (used as
+    given), a ``{slide}`` pattern or a folder of ``<slide>.npy|.h5|.hdf5`` files (slide ids must
+    be plain names and the files stay inside the folder, :func:`_inside`)."""
     if isinstance(spec, Mapping):
         missing = [s for s in slides if s not in spec]
         if missing:
@@ -217,25 +220,31 @@ def _slide_paths(spec, slides: list[str], *, encoder: str, follow_symlinks: bool
     for s in slides:
         _plain_slide_id(s, encoder)
     if "{slide}" in text:
-        prefix = text[: text.index("{slide}")]
-        base = Path(prefix) if prefix.endswith(("/", os.sep)) or not prefix else Path(prefix).parent
-        out = {s: Path(text.replace("{slide}", s)) for s in slides}
-        for s, path in out.items():
-            if path.exists() or path.is_symlink():
-                _inside(base, path, slide=s, encoder=encoder, follow_symlinks=follow_symlinks)
-        return out
-    folder = Path(text)
+        return _pattern_paths(text, slides, encoder=encoder, follow_symlinks=follow_symlinks)
+    return _folder_paths(Path(text), slides, encoder=encoder, follow_symlinks=follow_symlinks)
+
+
+def _pattern_paths(text: str, slides: list[str], *, encoder: str, follow_symlinks: bool) -> dict[str, Path]:
+    prefix = text[: text.index("{slide}")]
+    base = Path(prefix) if prefix.endswith(("/", os.sep)) or not prefix else Path(prefix).parent
+    out = {s: Path(text.replace("{slide}", s)) for s in slides}
+    for s, path in out.items():
+        if path.exists() or path.is_symlink():
+            _inside(base, path, slide=s, encoder=encoder, follow_symlinks=follow_symlinks)
+    return out
+
+
+def _folder_paths(folder: Path, slides: list[str], *, encoder: str, follow_symlinks: bool) -> dict[str, Path]:
     if not folder.is_dir():
         raise CacheNotFoundError(f"encoder {encoder!r}: slide folder not found: {folder}")
     out, missing = {}, []
     for s in slides:
-        for suffix in _SLIDE_SUFFIXES:
-            candidate = folder / f"{s}{suffix}"
-            if candidate.exists() or candidate.is_symlink():
-                out[s] = _inside(folder, candidate, slide=s, encoder=encoder, follow_symlinks=follow_symlinks)
-                break
-        else:
+        found = next((folder / f"{s}{x}" for x in _SLIDE_SUFFIXES
+                      if (folder / f"{s}{x}").exists() or (folder / f"{s}{x}").is_symlink()), None)
+        if found is None:
             missing.append(s)
+        else:
+            out[s] = _inside(folder, found, slide=s, encoder=encoder, follow_symlinks=follow_symlinks)
     if missing:
         raise CacheNotFoundError(f"encoder {encoder!r}, slide {missing[0]!r}: file not found: none of "
                                  f"{[f'{missing[0]}{x}' for x in _SLIDE_SUFFIXES]} in {folder}; "

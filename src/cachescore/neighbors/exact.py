@@ -329,7 +329,10 @@ def cross_group_knn(
     kmax : int
         Window width, ``>= 1``. May exceed the number of cross-group rows.
     block_rows, block_cols : int, optional
-        Tile sizes; the result does not depend on them. The symmetric search uses square tiles
+        Tile sizes; the result does not depend on them wherever the BLAS computes a GEMM entry
+        independently of the call's shape (OpenBLAS's native kernels; a kernel forced with
+        ``OPENBLAS_CORETYPE`` can move entries by one float32 ulp between shapes, see
+        ``tests/blas_equality.py``). The symmetric search uses square tiles
         of edge ``min(block_rows, block_cols)`` (whichever is given); the ``rows=`` path uses
         ``block_rows × block_cols`` tiles.
     rows : slice, optional

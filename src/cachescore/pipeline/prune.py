@@ -119,14 +119,16 @@ def _find(plan, store, all_jobs: bool) -> PruneReport:
     current |= {i.fingerprint for i in plan.invalid}
     keys = scope_keys(plan)
     report = PruneReport(all_jobs=all_jobs)
-    for fp in sorted(store.stored_fingerprints() - current):
-        inside = _identity(store.raw_record(fp)) in keys
-        (report.stale_records if inside or all_jobs else report.outside_records).append(fp)
-        if not inside and all_jobs:
-            report.outside_records.append(fp)
-    for fp in sorted(store.failure_fingerprints() - current):
-        inside = _identity(store.failure_unit(fp)) in keys
-        (report.abandoned_failures if inside or all_jobs else report.outside_failures).append(fp)
-        if not inside and all_jobs:
-            report.outside_failures.append(fp)
+    report.stale_records, report.outside_records = _split(
+        sorted(store.stored_fingerprints() - current), lambda fp: store.raw_record(fp), keys, all_jobs)
+    report.abandoned_failures, report.outside_failures = _split(
+        sorted(store.failure_fingerprints() - current), lambda fp: store.failure_unit(fp), keys, all_jobs)
     return report
+
+
+def _split(fps: list[str], identity_doc, keys: set, all_jobs: bool) -> tuple[list, list]:
+    """``(to prune, outside the scope)`` of non-current fingerprints; with ``all_jobs`` the
+    outside ones are pruned too (and still listed as outside)."""
+    outside = [fp for fp in fps if _identity(identity_doc(fp)) not in keys]
+    gone = set(outside)
+    return (fps if all_jobs else [fp for fp in fps if fp not in gone]), outside

@@ -127,6 +127,16 @@ def _describe(holder: dict, age: float | None) -> str:
             f"started {holder.get('started_at', '?')}{seen})")
 
 
+def _takeover_reason(holder: dict, alive: bool | None, age: float | None) -> str:
+    """Why a lock file naming ``holder`` while its flock is free is taken over."""
+    if alive is False:
+        return "its process is gone"
+    if alive:
+        return (f"its process {holder.get('pid')} is alive but does not hold the lock (it ended its run without "
+                "clearing the file)")
+    return f"no heartbeat for {age:.0f} s" if age is not None else "no heartbeat"
+
+
 class StoreLock:
     """The run lock of the store at ``store_path`` (see the module docstring).
 
@@ -215,14 +225,7 @@ class StoreLock:
                         errno.EBUSY, f"results store {self.path.parent} is in use by {_describe(holder, age)} on "
                         f"another host; its lock counts as stale after {self.stale_after_s:.0f} s without a "
                         f"heartbeat ([execution] stale_lock_age; lock file {self.path})")
-                if alive is False:
-                    why = "its process is gone"
-                elif alive:
-                    why = (f"its process {holder.get('pid')} is alive but does not hold the lock (it ended its "
-                           "run without clearing the file)")
-                else:
-                    why = f"no heartbeat for {age:.0f} s" if age is not None else "no heartbeat"
-                self.taken_over = f"{_describe(holder, age)}: {why}"
+                self.taken_over = f"{_describe(holder, age)}: {_takeover_reason(holder, alive, age)}"
             self._fd = fd
             try:
                 self._write({"run_id": self.run_id, **this_process(), "started_at": _now(), "heartbeat_at": _now()})
