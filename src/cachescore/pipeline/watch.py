@@ -29,7 +29,7 @@ from ..errors import RunAborted
 from ..jobs import load_job
 from ..store import ResultsStore
 from ..store.lock import StoreLockedError
-from .execute import ensure_demo_cache, run_job
+from .execute import _say, ensure_demo_cache, run_job
 from .plan import plan_job
 from .status import pending_reasons
 
@@ -49,12 +49,6 @@ class WatchPoll:
     known_failures: list = field(default_factory=list)
     summary: object = None
     error: str | None = None
-
-
-def _say(out: TextIO | None, msg: str) -> None:
-    if out is not None:
-        out.write(msg + "\n")
-        out.flush()
 
 
 def poll_job(job) -> tuple[list, list]:
