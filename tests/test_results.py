@@ -250,3 +250,48 @@ def test_smallest_c_warning(tmp_path):
     assert BundleFacts(smallest_c_share=0.5, smallest_c=1e-8).smallest_c_warning == ""
     warn = BundleFacts(smallest_c_share=0.7, smallest_c=1e-8).smallest_c_warning
     assert warn.startswith("in 70% of the probes the validation-selected C was the grid's smallest (1e-08)")
+
+
+def test_identical_encoders_share_their_rank_and_span_both_positions(demo, tmp_path):
+    """Issue 24: two byte-identical encoders were ranked 2 and 3 with intervals [2, 2] and [3, 3]
+    (a tie broken by name reported as a certainty). Now both take the best rank they span and
+    an interval covering both positions; the others keep croma's ranks (no tie there)."""
+    import shutil
+
+    shutil.copytree(demo.store, tmp_path / "store")
+    store = ResultsStore(tmp_path / "store")
+    job = plan_job(demo, store=store)
+    fps = job.record_fingerprints()
+    df = score_table(store, Cache(demo.cache), fps, bootstrap=demo.metrics["bootstrap"])
+    row = df[(df["metric"] == "croma") & (df["design"] == "all") & (df["encoder"] == "enc1")].iloc[0]
+    twin = "f" * 64
+    record = dict(store.record(row["fingerprint"]), encoder="enc1twin")
+    store.write_unit(twin, record=record, per_unit=store.per_unit(row["fingerprint"]))
+    tied = score_table(store, Cache(demo.cache), fps + [twin], bootstrap=demo.metrics["bootstrap"])
+    part = tied[(tied["metric"] == "croma") & (tied["design"] == "all") & (tied["view"] == row["view"])]
+    part = part.set_index("encoder")
+    assert part.loc["enc1", "rank"] == part.loc["enc1twin", "rank"] == row["rank"]
+    for enc in ("enc1", "enc1twin"):
+        assert part.loc[enc, "rank_low"] <= row["rank"] and part.loc[enc, "rank_high"] >= row["rank"] + 1
+    assert __import__("json").loads(part.loc["enc1", "win_fractions"])["enc1twin"] == 0.0
+    before = df[(df["metric"] == "croma") & (df["design"] == "all") & (df["view"] == row["view"])].set_index("encoder")
+    higher = [e for e in before.index if before.loc[e, "rank"] < row["rank"]]
+    assert all(part.loc[e, "rank"] == before.loc[e, "rank"] for e in higher)  # those above are unmoved
+
+
+def test_span_ranks_equal_ordered_ranks_without_ties_and_cover_ties():
+    rng = np.random.default_rng(3)
+    reps = rng.standard_normal((500, 4))
+    names = ["a", "b", "c", "d"]
+    points = dict(zip(names, reps.mean(axis=0)))
+    a = ours.rank_summary(names, points, reps, ties="ordered")
+    b = ours.rank_summary(names, points, reps, ties="span")
+    assert a["point_rank"] == b["point_rank"] and a["rank_lo"] == b["rank_lo"] and a["rank_hi"] == b["rank_hi"]
+    assert a["mean_rank"] == pytest.approx(b["mean_rank"], abs=1e-12)
+    tied = np.column_stack([reps[:, 0], reps[:, 0], reps[:, 2]])
+    s = ours.rank_summary(["x", "y", "z"], {"x": 1.0, "y": 1.0, "z": 0.0}, tied, ties="span")
+    assert s["point_rank"] == {"x": 1, "y": 1, "z": 3}
+    assert s["rank_lo"]["x"] == s["rank_lo"]["y"] and s["rank_hi"]["x"] == s["rank_hi"]["y"] >= 2
+    assert s["pairwise_win"][("x", "y")] == 0.0
+    with pytest.raises(ValueError, match="ties must be"):
+        ours.rank_summary(["x"], {"x": 1.0}, np.zeros((1, 1)), ties="name")

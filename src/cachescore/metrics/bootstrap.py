@@ -378,26 +378,43 @@ def bootstrap_balanced_median(values, cluster_ids, subset_ids=None, *, n_boot: i
     return percentile_ci(balanced_median_replicates(values, member, counts, subset_ids), point, level, int(n_boot))
 
 
-def rank_summary(models, point_values, replicates, *, level: float = 0.95) -> dict:
+def rank_summary(models, point_values, replicates, *, level: float = 0.95, ties: str = "ordered") -> dict:
     """Ranks of ``models`` from their point values and shared-draw replicates (the conventions of
     :func:`paired_rank_stability`: rank 1 = highest; the point ranking by a stable sort, ties in
     ``models`` order; replicate ranks treat NaN as -inf; ``rank_lo``/``rank_hi`` truncated
     percentiles; ``pairwise_win[(a, b)]`` the fraction of replicates with both finite and a's
     strictly greater). ``replicates``: (B, M) aligned with ``models``; with B = 0 only the point
-    ranks are given (the other entries are None / NaN)."""
+    ranks are given (the other entries are None / NaN).
+
+    ``ties="span"`` (the tidy tables' ranks): tied values are not ordered by name. A point rank is
+    ``1 +`` the number of strictly higher values (tied models share it); in each replicate a model
+    occupies the ranks ``1 + #higher .. #higher-or-equal``, so ``rank_lo`` is a percentile of the
+    lowest and ``rank_hi`` of the highest rank it could hold, and ``mean_rank`` averages the
+    middle of that span. Without ties both conventions give the same numbers."""
+    if ties not in ("ordered", "span"):
+        raise ValueError(f"ties must be 'ordered' or 'span', got {ties!r}")
     models = list(models)
     reps = np.asarray(replicates, dtype=np.float64).reshape(-1, len(models))
-    ranked = sorted(models, key=lambda name: point_values[name], reverse=True)
-    point_rank = {name: i + 1 for i, name in enumerate(ranked)}
+    if ties == "span":
+        point_rank = {a: 1 + sum(point_values[b] > point_values[a] for b in models) for a in models}
+    else:
+        ranked = sorted(models, key=lambda name: point_values[name], reverse=True)
+        point_rank = {name: i + 1 for i, name in enumerate(ranked)}
     if reps.shape[0] == 0:
         return {"point_rank": point_rank, "mean_rank": {n: float("nan") for n in models},
                 "rank_lo": {n: None for n in models}, "rank_hi": {n: None for n in models},
                 "pairwise_win": {(a, b): float("nan") for a in models for b in models if a != b}}
     finite = np.isfinite(reps)
     key = np.where(finite, reps, -np.inf)
-    order = np.argsort(-key, axis=1, kind="stable")
-    ranks = np.empty_like(order)
-    np.put_along_axis(ranks, order, np.arange(1, len(models) + 1)[None, :], axis=1)
+    if ties == "span":  # (B, M): how many models are strictly above / at least level with each one
+        low = 1 + (key[:, None, :] > key[:, :, None]).sum(axis=2)
+        high = (key[:, None, :] >= key[:, :, None]).sum(axis=2)
+        ranks = (low + high) / 2.0
+    else:
+        order = np.argsort(-key, axis=1, kind="stable")
+        ranks = np.empty_like(order)
+        np.put_along_axis(ranks, order, np.arange(1, len(models) + 1)[None, :], axis=1)
+        low = high = ranks
     beats = finite[:, :, None] & finite[:, None, :] & (reps[:, :, None] > reps[:, None, :])
     n_rep = max(1, reps.shape[0])
     win = beats.sum(axis=0) / float(n_rep)
@@ -405,8 +422,8 @@ def rank_summary(models, point_values, replicates, *, level: float = 0.95) -> di
     return {
         "point_rank": point_rank,
         "mean_rank": {name: float(ranks[:, j].mean()) for j, name in enumerate(models)},
-        "rank_lo": {name: int(np.percentile(ranks[:, j], q_lo)) for j, name in enumerate(models)},
-        "rank_hi": {name: int(np.percentile(ranks[:, j], 100.0 - q_lo)) for j, name in enumerate(models)},
+        "rank_lo": {name: int(np.percentile(low[:, j], q_lo)) for j, name in enumerate(models)},
+        "rank_hi": {name: int(np.percentile(high[:, j], 100.0 - q_lo)) for j, name in enumerate(models)},
         "pairwise_win": {(a, b): float(win[i, j]) for i, a in enumerate(models) for j, b in enumerate(models)
                          if a != b},
     }

@@ -21,8 +21,10 @@ design) on the caller (the draw depends only on the seed and the view's groups),
 encoder of a view is resampled identically: the rank interval of an encoder is read off the same
 replicates (``paired_rank_stability`` semantics for CRoMa).
 
-Rank columns: ``rank`` (point ranking among the defined rows), ``rank_low``/``rank_high`` and
-``mean_rank`` over the shared replicates, ``win_fractions`` (JSON ``{other encoder: share of
+Rank columns: ``rank`` (point ranking among the defined rows; tied values share the best rank
+they span, e.g. two identical encoders both rank 2), ``rank_low``/``rank_high`` and ``mean_rank``
+over the shared replicates, with ties spanning every rank they could hold (two identical encoders:
+``[2, 3]`` each, never a certainty decided by name; ``rank_summary(ties="span")``), ``win_fractions`` (JSON ``{other encoder: share of
 replicates in which this one scores strictly higher}``, croma's ``pairwise_win``).
 
 Flags: ``defined`` is false when the stored value is a fallback (RI/MaRI: support 0, or a scope
@@ -233,9 +235,10 @@ def _rank(entries: list[dict], level: float) -> None:
         points = {e["encoder"]: e["value"] for e in ranked}
         lengths = {None if e["_reps"] is None else len(e["_reps"]) for e in ranked}
         if len(lengths) == 1 and None not in lengths and lengths != {0}:
-            summary = rank_summary(names, points, np.stack([e["_reps"] for e in ranked], axis=1), level=level)
+            summary = rank_summary(names, points, np.stack([e["_reps"] for e in ranked], axis=1), level=level,
+                                   ties="span")
         else:  # no shared replicates: the point ranking only
-            summary = rank_summary(names, points, np.empty((0, len(names))), level=level)
+            summary = rank_summary(names, points, np.empty((0, len(names))), level=level, ties="span")
         for e in ranked:
             n = e["encoder"]
             wins = {b: summary["pairwise_win"][(n, b)] for b in names if b != n
