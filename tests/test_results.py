@@ -295,3 +295,24 @@ def test_span_ranks_equal_ordered_ranks_without_ties_and_cover_ties():
     assert s["pairwise_win"][("x", "y")] == 0.0
     with pytest.raises(ValueError, match="ties must be"):
         ours.rank_summary(["x"], {"x": 1.0}, np.zeros((1, 1)), ties="name")
+
+
+def test_the_readme_recipe_keeps_every_score_apart_and_the_report_states_the_direction(demo, tmp_path):
+    """Issue 24: the README's pandas recipe averaged probe test sets (and m values) together, and
+    nothing said which end of a score is better."""
+    import re
+
+    from cachescore.report import DIRECTION, build_report
+
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    block = re.search(r"```python\n(import pandas as pd\nscores = .*?)```", readme, re.S).group(1)
+    head, last = block.replace("results/demo/scores.parquet", str(demo.store / "scores.parquet")).rstrip().rsplit("\n", 1)
+    scope = {}
+    exec(f"{head}\nresult = {last}", scope)  # the recipe as written, its last expression kept
+    table, scores = scope["result"], scope["scores"]
+    assert table.size == int(scores["defined"].sum()) == table.notna().sum().sum()  # one cell per score
+    probe = scores[(scores["metric"] == "apd") & (scores["encoder"] == "enc0")]
+    assert len(probe) == 2 and set(probe["scope"]) == {"in_domain", "centre_C"}  # two test sets, two cells
+    page = build_report(demo.store, tmp_path / "r.html").read_text(encoding="utf-8")
+    assert "Higher is more robust, for every metric" in DIRECTION and DIRECTION.split(":")[0] in page
+    assert "higher is more robust" in readme.lower()

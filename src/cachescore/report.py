@@ -272,6 +272,13 @@ def _cell(r) -> str:
     return f"{star}{_num(r['value'], 3)}{ci}{' ' + ' '.join(flags) if flags else ''}"
 
 
+#: Which end of every score is better, stated wherever scores are shown (issue 24).
+DIRECTION = ("Higher is more robust, for every metric: RI and MaRI are the share of same-label (SO) "
+             "neighbours among the typed ones (0.5 = no preference, 1 = biology only); CRoMa is the margin of "
+             "same-confounder (OS) over same-label (SO) distance (> 0: biology closer); APD and nIPD are the "
+             "probe's accuracy change under confounder shift (0 = no drop, negative = a drop).")
+
+
 def _overview_html(scores: pd.DataFrame | None) -> str:
     if scores is None or scores.empty:
         return "<p class='muted'>No <code>scores.parquet</code> yet: run the job (cachescore run JOB).</p>"
@@ -284,7 +291,8 @@ def _overview_html(scores: pd.DataFrame | None) -> str:
         cells = {(r["encoder"], _label(r) + f" · {r['design']}"): _cell(r) for _, r in part.iterrows()}
         body = [[_td(_e(e))] + [_td(cells.get((e, c), "—"), num=True) for c in cols] for e in encoders]
         out.append(f"<h3>view {_e(view)}</h3>" + _table(["encoder"] + [_e(c) for c in cols], body, raw_headers=True))
-    return ("<p class='muted'>value [95% cluster-bootstrap CI over group_id; APD: over probe replicates]; "
+    return (f"<p class='direction'>{_e(DIRECTION)}</p>"
+            "<p class='muted'>value [95% cluster-bootstrap CI over group_id; APD: over probe replicates]; "
             "★ best defined score of the column; undefined scores are never ranked (hover for why); "
             "⚠ stored warnings (hover).</p>" + "".join(out))
 
