@@ -524,3 +524,16 @@ def test_watch_retries_after_a_store_write_error(copy):
 
     polls = watch_job(job, interval=0, max_runs=2, run=run, out=None, progress=False)
     assert len(calls) == 2 and "No space left" in polls[0].error and polls[1].summary.succeeded == 6
+
+
+def test_a_cache_without_views_says_so_and_how_to_write_one(copy, capsys):
+    """Issue 24: a job whose cache has no view printed "0 unit(s) to run" and nothing else."""
+    job, cache, _ = copy
+    text = job.read_text().replace('views = ["centre_all", "centre_paired"]', "views = []")
+    job.write_text(text)
+    for view in ("centre_all", "centre_paired"):
+        for suffix in (".json", ".parquet"):
+            (cache / "views" / f"{view}{suffix}").unlink()
+    for sub in (["validate"], ["run", "-q"]):
+        rc, out, err = cli(capsys, sub[0], job, *sub[1:])
+        assert rc == 0 and "has no view, so there is nothing to score" in err and "cachescore view" in err, err

@@ -48,6 +48,7 @@ from .jobs import describe_schema, load_job
 from .jobs.schema import CLUSTER_KINDS
 from ._jsonsafe import json_safe
 from .pipeline import plan_job, run_job, unit_status
+from .pipeline.plan import empty_plan_hint
 from .pipeline.status import damaged_units
 from .pipeline.execute import build_results
 from .pipeline.prune import PruneRefused, prune_store
@@ -364,6 +365,9 @@ def _cmd_validate(args) -> int:
               f"test rows: {check.counts.get('test_rows')}){tail}")
     n_bad = len(refused.invalid)
     print(f"{len(refused.pending)} unit(s) to run, {len(refused.done)} up to date, {n_bad} invalid")
+    hint = empty_plan_hint(plan)
+    if hint:
+        print(f"warning: {hint}", file=sys.stderr)
     return 2 if n_bad else 0
 
 

@@ -46,7 +46,7 @@ from ..store import CorruptRecordError, ResultsStore
 from ..store.lock import StoreLock, this_process
 from .cluster import open_client, open_cluster_client
 from .interrupts import DeferredInterrupts
-from .plan import Plan, UnitKind, code_version, plan_job, unit_is_stored
+from .plan import Plan, UnitKind, code_version, empty_plan_hint, plan_job, unit_is_stored
 from .unit import drive_large_unit, run_probe_task, run_unit, unit_annotation
 from .validate import refuse_invalid, validate_plan
 
@@ -496,6 +496,9 @@ def run_job(job, *, scheduler: str | None = None, out: TextIO | None = sys.stder
     n_all = len(plan.units) + len(plan.invalid)
     _say(out, f"job {job.name}: {n_all} units, {len(plan.done)} up to date, {len(plan.pending)} to run, "
               f"{len(plan.invalid)} invalid")
+    hint = empty_plan_hint(plan)
+    if hint:
+        _say(out or sys.stderr, f"warning: {hint}")
     ex = job.execution
     scheduler = scheduler or ex["scheduler"] or None
     kind = cluster or job.cluster.get("kind", "local")

@@ -36,7 +36,7 @@ from ..neighbors.registry import engine_params, is_out_of_core
 from ..store import ResultsStore
 from .probe_unit import probe_record_fingerprint, probe_record_keys, probe_unit_done, probe_unit_fingerprint
 
-__all__ = ["undefined_scope", "UnitKind", "WorkUnit", "InvalidUnit", "Plan", "plan_job", "code_version", "unit_fingerprint"]
+__all__ = ["empty_plan_hint", "undefined_scope", "UnitKind", "WorkUnit", "InvalidUnit", "Plan", "plan_job", "code_version", "unit_fingerprint"]
 
 def _fingerprint(obj) -> str:
     return fingerprint(obj)
@@ -443,6 +443,22 @@ def unit_is_stored(store: ResultsStore, unit: WorkUnit, probe_params=None) -> bo
     if unit.kind is UnitKind.PROBE:
         return probe_unit_done(store, unit.fingerprint, probe_params)
     return store.has(unit.fingerprint)
+
+
+def empty_plan_hint(plan: Plan) -> str | None:
+    """Why a plan has no unit at all, with the command that fixes it, or None (issue 24: a cache
+    without views gave "0 unit(s) to run" and nothing else)."""
+    if plan.units or plan.invalid:
+        return None
+    cache = Cache(plan.job.cache)
+    if not cache.views():
+        tilesets = cache.tilesets()
+        return (f"cache {plan.job.cache} has no view, so there is nothing to score: write one with `cachescore view "
+                f"{plan.job.cache} --tileset {tilesets[0] if tilesets else 'TILESET'} --name NAME --confounder COLUMN` "
+                "(or `cachescore import ... --view NAME=COLUMN`)")
+    if not cache.encoders():
+        return f"cache {plan.job.cache} has no encoder: import one with `cachescore import {plan.job.cache} ...`"
+    return "the job selects no unit: check [job] encoders, views and [metrics] families"
 
 
 def params_json(params: dict) -> str:
