@@ -185,3 +185,22 @@ def mount_tmpfs(path, size: str) -> bool:
         return False
     return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
                           capture_output=True).returncode == 0
+
+
+@contextlib.contextmanager
+def tmpfs(size: str, prefix: str = "cachescore-tmpfs-"):
+    """A fresh tmpfs of ``size`` mounted on a temporary folder (yielded as a ``Path``), unmounted and
+    removed afterwards; the calling test is skipped, with the reason, where mounting is not
+    permitted."""
+    import pytest
+    from pathlib import Path
+
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    if not mount_tmpfs(root, size):
+        shutil.rmtree(root, ignore_errors=True)
+        pytest.skip("mount -t tmpfs is not permitted here (needs root / CAP_SYS_ADMIN)")
+    try:
+        yield root
+    finally:
+        subprocess.run(["umount", "-l", str(root)], capture_output=True)
+        shutil.rmtree(root, ignore_errors=True)

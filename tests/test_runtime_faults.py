@@ -15,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -27,7 +26,7 @@ from cachescore.cli import DEMO_JOB
 from cachescore.store import ResultsStore
 from cachescore.store.lock import LOCK_NAME
 from cachescore.store.verify import verify_store
-from cluster_utils import mount_tmpfs, subprocess_cluster
+from cluster_utils import subprocess_cluster, tmpfs
 
 pytestmark = pytest.mark.cluster
 
@@ -226,21 +225,10 @@ def test_second_run_on_the_same_store_is_refused_at_once(tmp_path, cache):
     assert verify_store(store) == []  # no orphans
 
 
-def _umount(path: Path) -> None:
-    subprocess.run(["umount", "-l", str(path)], capture_output=True)
-
-
 @pytest.fixture
 def small_disk():
-    root = Path(tempfile.mkdtemp(prefix="cachescore-tmpfs-"))
-    if not mount_tmpfs(root, "5m"):
-        shutil.rmtree(root, ignore_errors=True)
-        pytest.skip("mount -t tmpfs is not permitted here (needs root / CAP_SYS_ADMIN)")
-    try:
+    with tmpfs("5m") as root:
         yield root
-    finally:
-        _umount(root)
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_disk_full_is_recorded_per_unit_and_the_rest_still_runs(tmp_path, cache, small_disk):
@@ -270,20 +258,13 @@ def test_disk_full_is_recorded_per_unit_and_the_rest_still_runs(tmp_path, cache,
 @pytest.fixture
 def read_only_store(tmp_path, cache):
     """A store scored in full on its own tmpfs, then remounted read-only."""
-    mount = Path(tempfile.mkdtemp(prefix="cachescore-ro-"))
-    if not mount_tmpfs(mount, "64m"):
-        shutil.rmtree(mount, ignore_errors=True)
-        pytest.skip("mount -t tmpfs is not permitted here (needs root / CAP_SYS_ADMIN)")
-    try:
+    with tmpfs("64m", prefix="cachescore-ro-") as mount:
         store = mount / "store"
         job = write_job(tmp_path, cache, store)
         first = run_cli("run", job, "-q")
         assert first.returncode == 0, first.stderr
         assert subprocess.run(["mount", "-o", "remount,ro", str(mount)], capture_output=True).returncode == 0
         yield job, store
-    finally:
-        _umount(mount)
-        shutil.rmtree(mount, ignore_errors=True)
 
 
 def test_read_only_store_serves_every_reading_command(tmp_path, read_only_store):

@@ -16,7 +16,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ from cachescore.pipeline.watch import watch_job
 from cachescore.store import ResultsStore
 from cachescore.store.lock import LOCK_NAME, LockFileError, StoreLock
 from cachescore.store.verify import verify_store
-from cluster_utils import mount_tmpfs
+from cluster_utils import tmpfs
 
 N_UNITS = 12
 
@@ -169,13 +168,9 @@ def test_a_lock_write_failure_names_the_store_and_releases_the_descriptor(tmp_pa
         pass
 
 
-def test_a_store_already_full_when_run_starts_is_named(copy, capsys):
+def test_a_store_already_full_when_run_starts_is_named(copy, tmp_path, capsys):
     job, cache, store = copy
-    disk = Path(tempfile.mkdtemp(prefix="cachescore-full-"))
-    if not mount_tmpfs(disk, "2m"):
-        shutil.rmtree(disk, ignore_errors=True)
-        pytest.skip("mount -t tmpfs is not permitted here (needs root / CAP_SYS_ADMIN)")
-    try:
+    with tmpfs("2m", prefix="cachescore-full-") as disk:
         full_store = disk / "store"
         shutil.copytree(store, full_store)
         (full_store / LOCK_NAME).unlink(missing_ok=True)
@@ -189,7 +184,7 @@ def test_a_store_already_full_when_run_starts_is_named(copy, capsys):
             pass
         finally:
             os.close(fd)
-        full_job = write_job(disk.parent / f"{disk.name}-job", cache, full_store)
+        full_job = write_job(tmp_path / "full-job", cache, full_store)
         rc, out, err = cli(capsys, "run", full_job, "-q")
         assert rc in (1, 2) and str(full_store) in err and "No space left" in err, err
         assert "[Errno 28] No space left on device\n" not in err  # never the bare errno line
@@ -199,10 +194,6 @@ def test_a_store_already_full_when_run_starts_is_named(copy, capsys):
         filler.unlink()
         rc, out, err = cli(capsys, "run", full_job, "-q")
         assert rc == 0, err
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
-        shutil.rmtree(disk, ignore_errors=True)
-        shutil.rmtree(disk.parent / f"{disk.name}-job", ignore_errors=True)
 
 
 def test_status_names_a_dead_holder_as_left_over_and_a_live_unlocked_pid_is_taken_over_for_that_reason(copy, capsys):

@@ -346,17 +346,18 @@ def plan_job(job: Job, *, cache=None, store=None) -> Plan:
             scope_rows = _scope_rows(frame, design)
             tileset, confounder = spec.tileset, spec.confounder_column
             scope_err = undefined_scope(frame, confounder, design, view)
+            size_err = [None if scope_err else scope_size_problem(frame, confounder, design, view, metric, mparams)
+                        for metric, mparams in families]  # per view, not per encoder: the rows decide
         except (ValueError, OSError, KeyError) as exc:
             view_err = f"{type(exc).__name__}: {exc}"
             inputs[f"views/{view}"] = f"error: {view_err}"
             design = job.design if job.design != "auto" else "?"
             tileset, confounder, view_fp, scope_rows, scope_err = "?", "?", None, 0, None
+            size_err = [None] * len(families)
         for enc in encoders:
             emb_fp, dim, emb_err = embedding(enc, tileset) if view_err is None else (None, None, None)
-            for metric, mparams in families:
-                err = view_err or emb_err or scope_err
-                if err is None:
-                    err = scope_size_problem(frame, confounder, design, view, metric, mparams)
+            for (metric, mparams), too_small in zip(families, size_err):
+                err = view_err or emb_err or scope_err or too_small
                 if err is not None:
                     ident = {"encoder": enc, "view": view, "tileset": tileset, "design": design,
                              "family": metric, "metric": metric, "params": mparams}
