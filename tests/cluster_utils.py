@@ -204,3 +204,18 @@ def tmpfs(size: str, prefix: str = "cachescore-tmpfs-"):
     finally:
         subprocess.run(["umount", "-l", str(root)], capture_output=True)
         shutil.rmtree(root, ignore_errors=True)
+
+
+#: Set by ``.ci/run`` (which starts the dev SLURM and installs chromium): a missing service is then
+#: a failure; elsewhere (README command 2 on a fresh machine) the tests needing it skip, saying why.
+REQUIRE_SERVICES = os.environ.get("CACHESCORE_REQUIRE_SERVICES") == "1"
+
+
+def service_missing(reason: str) -> None:
+    """Skip the calling test because ``reason`` (a service it needs is absent), or fail when
+    ``CACHESCORE_REQUIRE_SERVICES=1`` (``.ci/run``: everything it can start must run)."""
+    import pytest
+
+    if REQUIRE_SERVICES:
+        pytest.fail(f"{reason} (CACHESCORE_REQUIRE_SERVICES=1: .ci/run starts it)")
+    pytest.skip(f"{reason}; `bash .ci/run` starts it")

@@ -27,6 +27,7 @@ from cachescore.jobs import load_job
 from cachescore.pipeline import run_job
 from cachescore.pipeline.cluster import batch_cluster_kwargs
 from cachescore.store import ResultsStore
+from cluster_utils import service_missing
 
 REPO = Path(__file__).resolve().parents[1]
 slurm_only = pytest.mark.slurm
@@ -40,7 +41,7 @@ def _squeue() -> list[tuple[str, str, str]]:
 @pytest.fixture(scope="module")
 def slurm():
     if shutil.which("sinfo") is None or subprocess.run(["sinfo"], capture_output=True).returncode != 0:
-        pytest.fail("no SLURM here: start the dev cluster first (bash deploy/slurm/dev-cluster.sh, as root)")
+        service_missing("no SLURM here: start the dev cluster first (bash deploy/slurm/dev-cluster.sh, as root)")
     assert not [j for j in _squeue() if j[1].startswith("dask-wor")], "stale dask worker jobs in the queue"
 
 

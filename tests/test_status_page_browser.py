@@ -14,7 +14,7 @@ import os
 import pytest
 
 from cluster_utils import subprocess_cluster
-from test_report_browser import ARTIFACTS, CHROMIUM, FLAGS
+from test_report_browser import ARTIFACTS, CHROMIUM, FLAGS, require_chromium
 from test_runtime_faults import N_UNITS, cache, cli, finish, wait_for, write_job  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.cluster
@@ -23,6 +23,7 @@ pytestmark = pytest.mark.cluster
 def test_status_page_updates_live_in_chromium(tmp_path, cache):  # noqa: F811 - the fixture
     from playwright.sync_api import sync_playwright
 
+    require_chromium()
     errors: list[str] = []
     with subprocess_cluster(n_workers=0, http=True) as cluster:
         job = write_job(tmp_path, cache, tmp_path / "store")
