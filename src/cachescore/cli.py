@@ -51,7 +51,7 @@ from .pipeline import plan_job, run_job, unit_status
 from .pipeline.plan import empty_plan_hint
 from .pipeline.status import damaged_units
 from .pipeline.execute import build_results
-from .pipeline.prune import PruneRefused, prune_store
+from .pipeline.prune import prune_store
 from .pipeline.validate import refuse_invalid, validate_plan
 from .store import CorruptRecordError, ResultsStore
 from .store.lock import StoreLock, process_alive
@@ -282,15 +282,11 @@ def _runs_line(store: ResultsStore) -> str:
     return text
 
 
-def _damaged_lines(job_path, plan, store) -> list[str]:
-    """One line per damaged record of the plan (unit, fingerprint, what is wrong, the repair)."""
-    return [f"damaged record in results store {store.path}: unit {d['label']} (fingerprint {d['fingerprint'][:16]}): "
-            f"{d['problem']}; `cachescore run {job_path}` recomputes it" for d in damaged_units(plan, store)]
-
-
 def _refuse_damaged(job_path, plan, store) -> bool:
-    """Print ``error:`` lines for the plan's damaged records (at most 10, then a count); True if any."""
-    lines = _damaged_lines(job_path, plan, store)
+    """Print an ``error:`` line per damaged record of the plan (unit, fingerprint, what is wrong,
+    the repair; at most 10, then a count); True if any."""
+    lines = [f"damaged record in results store {store.path}: unit {d['label']} (fingerprint {d['fingerprint'][:16]}): "
+             f"{d['problem']}; `cachescore run {job_path}` recomputes it" for d in damaged_units(plan, store)]
     for line in lines[:10]:
         print(f"error: {line}", file=sys.stderr)
     if len(lines) > 10:
@@ -395,11 +391,7 @@ def _cmd_prune(args) -> int:
     job = load_job(args.job)
     store = ResultsStore(job.store)
     plan = plan_job(job, store=store)
-    try:
-        report = prune_store(plan, store, apply=args.apply, all_jobs=args.all_jobs)
-    except PruneRefused as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    report = prune_store(plan, store, apply=args.apply, all_jobs=args.all_jobs)  # PruneRefused: exit 2 in main
     encoders = sorted({u.encoder for u in plan.units})
     views = sorted({u.view for u in plan.units})
     print(f"scope: job {job.name!r} ({args.job}): {len(plan.units)} unit(s) over {len(encoders)} encoder(s) x "
