@@ -70,7 +70,7 @@ def test_demo_job_ranks_encoders_as_constructed(tmp_path, capsys, monkeypatch):
     cap = capsys.readouterr()
     assert re.search(r"dashboard: http://127\.0\.0\.1:\d+/status", cap.err)
     assert "executed 28" in cap.out and "failed 0" in cap.out  # 4 encoders x (2 views x 3 families + 1 probe)
-    assert "apd[in_domain]" in cap.out and "nipd[centre_C]" in cap.out  # probe records in the leaderboard
+    assert "APD [in_domain]" in cap.out and "nIPD [centre_C]" in cap.out  # probe records in the leaderboard
     job = load_job(job_path)
     report = re.search(r"performance report: (\S+)", cap.out).group(1)
     assert Path(report).is_file() and Path(report).parent.parent == job.store / "runs"

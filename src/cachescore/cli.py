@@ -46,6 +46,7 @@ from .cache.views import make_view, parse_where
 from .errors import RunAborted, RunInterrupted
 from .jobs import describe_schema, load_job
 from .jobs.schema import CLUSTER_KINDS
+from .metrics import families
 from ._jsonsafe import json_safe
 from .pipeline import plan_job, run_job, unit_status
 from .pipeline.plan import empty_plan_hint
@@ -150,10 +151,7 @@ def format_table(rows: list[dict], columns: list[str]) -> str:
 
 
 def _metric_label(r: dict) -> str:
-    m = r.get("m")
-    if r.get("design") == "probe":
-        return f"{r['metric']}[{r.get('scope')}]"
-    return r["metric"] + (f"(m={int(m)})" if r["metric"] == "croma" and m is not None and m == m else "")
+    return families.display(r["metric"], r.get("m"), r.get("scope") if r.get("design") == "probe" else None)
 
 
 def _flags(r: dict) -> str:

@@ -45,6 +45,7 @@ import numpy as np
 import pandas as pd
 
 from .cache import Cache, CacheError
+from .metrics import families
 from .store import CorruptRecordError, ResultsStore
 from .report_figures import accuracy_curve_svg, centre_bars_svg, ecdf_svg, forest_svg, metric_axis, reliability_svg
 from .results.bundles import bundle_facts
@@ -54,8 +55,6 @@ __all__ = ["build_report"]
 
 #: Histogram bins per distribution panel.
 HIST_BINS = 24
-#: Display names of the metric families as stored in the ``metric`` column.
-METRIC_NAMES = {"ri": "RI", "mari": "MaRI", "croma": "CRoMa", "apd": "APD", "nipd": "nIPD"}
 #: Leaderboard columns after rank/encoder/value, shown only when some record of the group has them:
 #: (column in the scores table, header).
 LEADERBOARD_COLUMNS = (
@@ -112,7 +111,7 @@ def _num(value, digits: int = 4) -> str:
 
 
 def _metric_name(metric) -> str:
-    return METRIC_NAMES.get(str(metric), str(metric)) if not _missing(metric) else "?"
+    return families.display(metric)
 
 
 def _params(text) -> dict:
@@ -198,9 +197,10 @@ def _shared_edges(arrays: list[np.ndarray], bins: int) -> np.ndarray:
 
 # -- data selection ----------------------------------------------------------------------------
 def _group_key(row) -> tuple:
-    m = row["m"] if str(row["metric"]) == "croma" and not _missing(row["m"]) else None
+    family = families.lookup(row["metric"])
+    m = row["m"] if family is not None and family.unit_param and not _missing(row["m"]) else None
     view, design, metric = ("" if _missing(row[c]) else str(row[c]) for c in ("view", "design", "metric"))
-    order = list(METRIC_NAMES).index(metric) if metric in METRIC_NAMES else len(METRIC_NAMES)
+    order = families.order(metric)
     # probe records: one leaderboard per matrix (``scope``: in_domain or a test set)
     scope = "" if design != "probe" or _missing(row.get("scope")) else str(row["scope"])
     return view, design, order, metric, -1 if m is None else int(m), scope
@@ -251,12 +251,7 @@ def _tidy(store_path: Path, name: str) -> pd.DataFrame | None:
 
 
 def _label(r) -> str:
-    name = _metric_name(r["metric"])
-    if str(r["metric"]) == "croma" and not _missing(r.get("m")):
-        name += f" (m={int(r['m'])})"
-    if str(r["design"]) == "probe" and not _missing(r.get("scope")):
-        name += f" [{r['scope']}]"
-    return name
+    return families.display(r["metric"], r.get("m"), r.get("scope"))
 
 
 def _cell(r) -> str:
@@ -415,7 +410,8 @@ def _damaged_html(damaged: list[tuple[str, str]]) -> str:
 def _margins_html(store, scores: pd.DataFrame | None) -> str:
     if scores is None or scores.empty or "_error" in scores.columns:
         return "<p class='muted'>No scores.</p>"
-    rows = scores[(scores["metric"] == "croma") & scores["defined"]]
+    margin_families = [n for n in families.names() if families.get(n).margins]
+    rows = scores[scores["metric"].isin(margin_families) & scores["defined"]]
     if rows.empty:
         return "<p class='muted'>No CRoMa scores.</p>"
     panels = []

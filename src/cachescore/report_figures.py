@@ -24,6 +24,8 @@ matplotlib.use("Agg")  # headless: no display, no GUI toolkit
 import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
 import numpy as np  # noqa: E402
 
+from .metrics import families  # noqa: E402
+
 __all__ = ["forest_svg", "accuracy_curve_svg", "reliability_svg", "centre_bars_svg", "ecdf_svg", "metric_axis"]
 
 plt.rcParams.update({"svg.hashsalt": "cachescore", "svg.fonttype": "none", "font.size": 9,
@@ -39,10 +41,12 @@ def _svg(fig) -> str:
 
 
 def metric_axis(metric: str, lows, highs) -> tuple[float, float]:
-    """The x range of a metric's forest plot: RI / MaRI on their whole range [0, 1]; CRoMa and the
-    probe reductions symmetric around 0 (their no-effect point), wide enough for every interval."""
-    if metric in ("ri", "mari"):
-        return 0.0, 1.0
+    """The x range of a metric's forest plot: the family's fixed ``value_range`` where it has one
+    (RI / MaRI: [0, 1]); else symmetric around 0 (CRoMa and the probe reductions: their no-effect
+    point), wide enough for every interval."""
+    family = families.lookup(metric)
+    if family is not None and family.value_range is not None:
+        return family.value_range
     vals = [abs(float(v)) for v in list(lows) + list(highs) if v is not None and math.isfinite(float(v))]
     span = max(vals) if vals else 0.1
     span = max(0.05, 1.1 * span)
@@ -68,10 +72,8 @@ def forest_svg(encoders, values, lows, highs, *, metric: str, title: str, best: 
         ax.plot([v[i]], [y[i]], marker="*", color="#bf8700", ms=12, zorder=5)
     x0, x1 = metric_axis(metric, np.concatenate([lo[has], v]), np.concatenate([hi[has], v]))
     ax.set_xlim(x0, x1)
-    if metric in ("ri", "mari"):
-        ax.axvline(0.5, color="#8c959f", lw=0.8, ls=":")  # no preference between SO and OS
-    else:
-        ax.axvline(0.0, color="#8c959f", lw=0.8, ls=":")
+    family = families.lookup(metric)  # the no-effect value: RI / MaRI 0.5 (SO = OS), others 0
+    ax.axvline(family.neutral if family is not None else 0.0, color="#8c959f", lw=0.8, ls=":")
     ax.set_yticks(y, [str(e) for e in encoders])
     ax.set_title(title, fontsize=9, loc="left")
     ax.grid(axis="x", color="#eaeef2", lw=0.6)

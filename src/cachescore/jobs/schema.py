@@ -13,7 +13,7 @@ Layout of a job file (``schema_version = 1``)::
     [metrics]    families
     [metrics.ri]     k_candidates
     [metrics.mari]   k_candidates, tau, warn_tau
-    [metrics.croma]  m, alpha, start_k, k_growth_factor
+    [metrics.croma]  m, alpha, start_k, kgrowth_factor
     [neighbors]  backend, auto_threshold, recall_target, recall_sample, seed
     [execution]  n_workers, memory_limit, retries, large_unit_drivers, dashboard, performance_report,
                  scheduler
@@ -26,20 +26,31 @@ job file can travel with its cache. ``print(describe_schema())`` lists every key
 
 from __future__ import annotations
 
-import math
 import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
+from .._keys import (
+    NUM,
+    Key,
+    half_open_unit,
+    non_empty,
+    non_negative_int,
+    one_of,
+    open_unit,
+    positive_int,
+    positive_number,
+    str_list,
+)
+from ..metrics import families
 from ..neighbors.registry import DEFAULT_AUTO_THRESHOLD
 from ..probe.params import PROBE_KEYS, ProbeParams
 
 __all__ = [
     "SCHEMA_VERSION",
     "SCHEMA",
-    "FAMILIES",
     "BACKENDS",
     "JobError",
     "Key",
@@ -51,9 +62,6 @@ __all__ = [
 
 #: The only job-file schema version this release reads.
 SCHEMA_VERSION = 1
-
-#: Metric families a job may request, in scoring order.
-FAMILIES = ("ri", "mari", "croma")
 
 #: Neighbour backends: exact blocked search, approximate (pynndescent + exact refine), or chosen by cost.
 BACKENDS = ("exact", "ann", "auto")
@@ -76,91 +84,15 @@ class JobError(ValueError):
     """A job file is unreadable or does not follow the schema. The message names file and key."""
 
 
-@dataclass(frozen=True)
-class Key:
-    """One job-file key: expected type, default, description and an optional value check.
-
-    ``check(value)`` returns an error text (what was expected) or ``None`` when the value is fine.
-    """
-
-    type: tuple
-    default: Any
-    doc: str
-    check: Callable[[Any], str | None] | None = None
-
-
-def _positive_int(v):
-    return None if isinstance(v, int) and not isinstance(v, bool) and v > 0 else "a positive integer"
-
-
-def _non_negative_int(v):
-    return None if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else "an integer >= 0"
-
-
-def _int_list(v):
-    if not isinstance(v, list) or not v:
-        return "a non-empty list of positive integers"
-    if any(not isinstance(x, int) or isinstance(x, bool) or x <= 0 for x in v):
-        return "a non-empty list of positive integers"
-    return None
-
-
-def _str_list(v):
-    if not isinstance(v, list) or any(not isinstance(x, str) or not x.strip() for x in v):
-        return "a list of non-empty strings"
-    if len(set(v)) != len(v):
-        return "a list without duplicates"
-    return None
-
-
 def _families(v):
-    err = _str_list(v)
+    known = families.names(families.NEIGHBOUR)
+    err = str_list(v)
     if err or not v:
-        return "a non-empty list drawn from " + ", ".join(FAMILIES)
-    bad = [x for x in v if x not in FAMILIES]
-    return f"a list drawn from {', '.join(FAMILIES)} (got {', '.join(bad)})" if bad else None
+        return "a non-empty list drawn from " + ", ".join(known)
+    bad = [x for x in v if x not in known]
+    return f"a list drawn from {', '.join(known)} (got {', '.join(bad)})" if bad else None
 
 
-def _one_of(options):
-    def check(v):
-        return None if v in options else "one of " + ", ".join(repr(o) for o in options)
-
-    return check
-
-
-def _tau(v):
-    if v == "auto":
-        return None
-    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0:
-        return None
-    return "'auto' or a finite number > 0"
-
-
-def _alpha(v):
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1
-    return None if ok else "a number in (0, 1)"
-
-
-def _alpha_closed(v):
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1
-    return None if ok else "a number in (0, 1]"
-
-
-def _growth(v):
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 1
-    return None if ok else "a finite number > 1"
-
-
-def _positive_number(v):
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
-    return None if ok else "a finite number > 0"
-
-
-def _non_empty(v):
-    return None if isinstance(v, str) and v.strip() else "a non-empty string"
-
-
-_NUM = (int, float)
 
 #: ``[cluster] kind`` values.
 CLUSTER_KINDS = ("local", "slurm", "pbs", "kubernetes")
@@ -171,15 +103,15 @@ def _batch_keys(system: str, *, queue_doc: str, directive: str) -> dict:
     return {
         "queue": Key((str,), "", queue_doc),
         "account": Key((str,), "", f"{system} account / project to charge; empty = none."),
-        "cores": Key((int,), 1, "Cores per worker job (one thread per worker process).", _positive_int),
+        "cores": Key((int,), 1, "Cores per worker job (one thread per worker process).", positive_int),
         "processes": Key((int,), 1, "Dask worker processes per job (each gets cores / processes threads; keep them "
-                                    "equal for one thread per process).", _positive_int),
-        "memory": Key((str,), "4GiB", "Memory per worker job, e.g. '16GiB'.", _non_empty),
+                                    "equal for one thread per process).", positive_int),
+        "memory": Key((str,), "4GiB", "Memory per worker job, e.g. '16GiB'.", non_empty),
         "walltime": Key((str,), "01:00:00", "Walltime per worker job (HH:MM:SS); adaptive scaling replaces ended jobs.",
-                        _non_empty),
+                        non_empty),
         "job_extra_directives": Key((list,), [], f"Extra {directive} lines of the worker job script, e.g. "
-                                                 "['--exclusive'].", _str_list),
-        "worker_extra_args": Key((list,), [], "Extra arguments of the dask worker command.", _str_list),
+                                                 "['--exclusive'].", str_list),
+        "worker_extra_args": Key((list,), [], "Extra arguments of the dask worker command.", str_list),
         "local_directory": Key((str,), "", "Worker scratch folder on the compute nodes; empty = the job's default."),
         "interface": Key((str,), "", "Network interface the workers and the scheduler use (e.g. 'ib0'); empty = the "
                                      "scheduler binds to scheduler_host."),
@@ -188,79 +120,66 @@ def _batch_keys(system: str, *, queue_doc: str, directive: str) -> dict:
         "log_directory": Key((str,), "", "Folder for the worker jobs' stdout/stderr; empty = the job's working folder."),
     }
 
-#: Every key of schema version 1: section -> key -> :class:`Key`. Nested sections use dotted names.
-SCHEMA: dict[str, dict[str, Key]] = {
+#: The keys of schema version 1 besides the metric families' own sections: section -> key ->
+#: :class:`Key`. Nested sections use dotted names. :func:`sections` adds ``[metrics.<family>]``.
+_CORE: dict[str, dict[str, Key]] = {
     "job": {
-        "name": Key((str,), "job", "Job name, recorded in provenance.", _non_empty),
-        "cache": Key((str,), None, "Cache folder (required); relative to the job file's folder.", _non_empty),
-        "store": Key((str,), None, "Results store folder (required); relative to the job file's folder.", _non_empty),
-        "encoders": Key((list,), [], "Encoders to score; empty = every encoder in the cache.", _str_list),
-        "views": Key((list,), [], "Views to score; empty = every view in the cache.", _str_list),
+        "name": Key((str,), "job", "Job name, recorded in provenance.", non_empty),
+        "cache": Key((str,), None, "Cache folder (required); relative to the job file's folder.", non_empty),
+        "store": Key((str,), None, "Results store folder (required); relative to the job file's folder.", non_empty),
+        "encoders": Key((list,), [], "Encoders to score; empty = every encoder in the cache.", str_list),
+        "views": Key((list,), [], "Views to score; empty = every view in the cache.", str_list),
         "design": Key((str,), "auto", "Evaluation design: 'auto' (the view's hint, else 'all'), 'all' or 'paired_2x2'.",
-                      _one_of(JOB_DESIGNS)),
+                      one_of(JOB_DESIGNS)),
         "probe_views": Key((list,), [], "Views the probe sweep runs on (only with a [probe] table); empty = every "
-                                        "view of the job.", _str_list),
+                                        "view of the job.", str_list),
         "bundles": Key((str,), "", "Folder of probe evaluation bundles; empty = <store>/bundles; relative to the "
                                    "job file's folder."),
     },
     "demo": {
         "synthesise": Key((bool,), False, "Synthesise the demo cache at job.cache when that folder does not exist."),
-        "seed": Key((int,), 0, "Seed of the synthetic demo cache.", _non_negative_int),
-        "n_slides_per_cell": Key((int,), 3, "Slides per (label, confounder) cell of the demo cache.", _positive_int),
-        "tiles_per_slide": Key((int,), 20, "Tiles per slide of the demo cache.", _positive_int),
-        "dim": Key((int,), 32, "Embedding width of the demo cache.", _positive_int),
+        "seed": Key((int,), 0, "Seed of the synthetic demo cache.", non_negative_int),
+        "n_slides_per_cell": Key((int,), 3, "Slides per (label, confounder) cell of the demo cache.", positive_int),
+        "tiles_per_slide": Key((int,), 20, "Tiles per slide of the demo cache.", positive_int),
+        "dim": Key((int,), 32, "Embedding width of the demo cache.", positive_int),
     },
     "metrics": {
-        "families": Key((list,), list(FAMILIES), "Metric families to score: any of 'ri', 'mari', 'croma'.", _families),
-    },
-    "metrics.ri": {
-        "k_candidates": Key((list,), [5, 11, 21], "RI candidate window sizes (operating k chosen by kNN balanced accuracy).",
-                            _int_list),
-    },
-    "metrics.mari": {
-        "k_candidates": Key((list,), [5, 11, 21], "MaRI candidate window sizes.", _int_list),
-        "tau": Key((str, int, float), "auto", "MaRI temperature: 'auto' (median typed distance) or a number > 0.", _tau),
-        "warn_tau": Key((bool,), False, "With a pinned tau, run croma's off-scale check (a warning only)."),
-    },
-    "metrics.croma": {
-        "m": Key((list,), [5], "Typed neighbours averaged per unit; one result (one work unit) per m.", _int_list),
-        "alpha": Key(_NUM, 0.10, "Lower-tail level for q_alpha / ltm_alpha.", _alpha),
-        "start_k": Key((int,), 200, "croma's initial window (recorded; the exact typed search does not need it).",
-                       _positive_int),
-        "k_growth_factor": Key(_NUM, 2.0, "croma's window growth factor (recorded, as start_k).", _growth),
+        "families": Key((list,), list(families.names(families.NEIGHBOUR)), "Metric families to score, in table order "
+                        "(cachescore.metrics.families): any of " + ", ".join(repr(n) for n in families.names(
+                            families.NEIGHBOUR)) + ".", _families),
     },
     "metrics.bootstrap": {
         "n_boot": Key((int,), 2000, "Cluster-bootstrap replicates of every stored score's CI and rank interval "
                                     "(resampling unit: group_id; computed from the stored per-unit values).",
-                      _positive_int),
-        "level": Key(_NUM, 0.95, "Confidence level of the percentile intervals.", _alpha),
-        "seed": Key((int,), 0, "Seed of the bootstrap draws (PCG64; one shared draw per view).", _non_negative_int),
+                      positive_int),
+        "level": Key(NUM, 0.95, "Confidence level of the percentile intervals.", open_unit),
+        "seed": Key((int,), 0, "Seed of the bootstrap draws (PCG64; one shared draw per view).", non_negative_int),
     },
     "report": {
-        "min_support": Key(_NUM, 0.5, "RI/MaRI scores whose support (share of units with a typed neighbour) is "
-                                      "below this are ranked but flagged low_support.", _alpha_closed),
+        "min_support": Key(NUM, 0.5, "RI/MaRI scores whose support (share of units with a typed neighbour) is "
+                                      "below this are ranked but flagged low_support.", half_open_unit),
     },
     "neighbors": {
         "backend": Key((str,), "auto", "Neighbour search: 'exact', 'ann' or 'auto' (exact below auto_threshold).",
-                       _one_of(BACKENDS)),
-        "auto_threshold": Key(_NUM, DEFAULT_AUTO_THRESHOLD, "Scope cost n*n*d above which 'auto' switches to ANN.", _positive_number),
-        "recall_target": Key(_NUM, 0.99, "ANN: widen the candidate set until the measured recall reaches this.",
-                             _alpha_closed),
-        "recall_sample": Key((int,), 1000, "Queries sampled to measure ANN recall against exact search.", _positive_int),
-        "seed": Key((int,), 0, "Seed of the ANN graph and of the recall sample.", _non_negative_int),
+                       one_of(BACKENDS)),
+        "auto_threshold": Key(NUM, DEFAULT_AUTO_THRESHOLD, "Scope cost n*n*d above which 'auto' switches to ANN.", positive_number),
+        "recall_target": Key(NUM, 0.99, "ANN: widen the candidate set until the measured recall reaches this.",
+                             half_open_unit),
+        "recall_sample": Key((int,), 1000, "Queries sampled to measure ANN recall against exact search.", positive_int),
+        "seed": Key((int,), 0, "Seed of the ANN graph and of the recall sample.", non_negative_int),
         "large_scope_rows": Key((int,), 100_000, "Scopes of at least this many rows are searched out of core by "
                                 "distributed tasks over row chunks (worker memory bounded by chunk size); smaller "
-                                "scopes are searched inside their work unit.", _positive_int),
+                                "scopes are searched inside their work unit.", positive_int),
     },
     "cluster": {
         "kind": Key((str,), "local", "Where workers run: 'local' (a LocalCluster on 127.0.0.1, [execution] n_workers), "
                                      "'slurm' / 'pbs' (worker jobs via dask-jobqueue) or 'kubernetes' (the "
-                                     "dask-kubernetes operator). The CLI's --cluster overrides it.", _one_of(CLUSTER_KINDS)),
+                                     "dask-kubernetes operator). The CLI's --cluster overrides it.", one_of(CLUSTER_KINDS)),
         "minimum_jobs": Key((int,), 0, "Adaptive scaling: fewest worker jobs (pods) kept while the run lasts.",
-                            _non_negative_int),
+                            non_negative_int),
         "maximum_jobs": Key((int,), 0, "Adaptive scaling: most worker jobs (pods); 0 = derived from the plan's "
                                        "parallelism (its pending tasks / processes per job, at most 32).",
-                            _non_negative_int),
+                            non_negative_int),
     },
     "cluster.slurm": _batch_keys("SLURM", queue_doc="Partition (#SBATCH -p); empty = the site's default.",
                                  directive="#SBATCH"),
@@ -284,24 +203,40 @@ SCHEMA: dict[str, dict[str, Key]] = {
     "execution": {
         "scheduler": Key((str,), "", "Dask scheduler address (tcp://host:port); empty = a LocalCluster. "
                                      "The CLI's --scheduler overrides it."),
-        "n_workers": Key((int,), 2, "LocalCluster worker processes (one thread each).", _positive_int),
-        "memory_limit": Key((str,), "auto", "LocalCluster memory limit per worker ('auto' or e.g. '4GiB').", _non_empty),
-        "retries": Key((int,), 2, "Retries of a work unit after a transient (non-data) failure.", _non_negative_int),
+        "n_workers": Key((int,), 2, "LocalCluster worker processes (one thread each).", positive_int),
+        "memory_limit": Key((str,), "auto", "LocalCluster memory limit per worker ('auto' or e.g. '4GiB').", non_empty),
+        "retries": Key((int,), 2, "Retries of a work unit after a transient (non-data) failure.", non_negative_int),
         "large_unit_drivers": Key((int,), 3, "Large-scope units (see [neighbors] large_scope_rows) driven at once "
                                              "from the client process; each holds its scope's O(n) codes and "
                                              "per-unit values there while its searches run on the workers.",
-                                  _positive_int),
+                                  positive_int),
         "dashboard": Key((bool,), True, "Serve the LocalCluster dashboard on 127.0.0.1 (a free port) and print its URL."),
         "performance_report": Key((bool,), True, "Save a Dask performance report (HTML) in the store's run folder."),
         "no_workers_timeout": Key((int, float), 300.0, "Seconds a run waits while the scheduler has no worker (the "
                                                        "progress says 'waiting for workers'); then the remaining units "
-                                                       "are recorded as not run and the run exits 2.", _positive_number),
+                                                       "are recorded as not run and the run exits 2.", positive_number),
         "stale_lock_age": Key((int, float), 600.0, "Seconds without a heartbeat after which the store lock of a run "
                                                    "on another host counts as abandoned and is taken over (a lock of "
                                                    "this host is taken over as soon as its process is gone).",
-                              _positive_number),
+                              positive_number),
     },
 }
+
+
+def sections() -> dict[str, dict[str, Key]]:
+    """Every section of schema version 1: the core keys with, after ``[metrics]``, one
+    ``[metrics.<name>]`` section per neighbour family of :data:`cachescore.metrics.families.FAMILIES`
+    (its ``keys``; a family registered at run time included)."""
+    out: dict[str, dict[str, Key]] = {}
+    for name, keys in _CORE.items():
+        out[name] = keys
+        if name == "metrics":
+            out.update({f"metrics.{f}": dict(families.get(f).keys) for f in families.names(families.NEIGHBOUR)})
+    return out
+
+
+#: Every key of schema version 1 with the built-in families (see :func:`sections`).
+SCHEMA: dict[str, dict[str, Key]] = sections()
 
 
 @dataclass(frozen=True)
@@ -339,7 +274,7 @@ class Job:
 def describe_schema() -> str:
     """Human-readable list of every key with its default and meaning."""
     lines = [f"schema_version = {SCHEMA_VERSION}"]
-    for section, keys in SCHEMA.items():
+    for section, keys in sections().items():
         lines.append(f"[{section}]")
         for name, key in keys.items():
             default = "(required)" if key.default is None else repr(key.default)
@@ -394,28 +329,29 @@ def parse_job(doc: dict, *, path: str | Path | None = None) -> Job:
         raise JobError(f"{src}: unsupported schema_version {version!r}; this release reads {SCHEMA_VERSION}")
 
     out: dict[str, dict] = {}
+    schema = sections()
 
     def walk(table: dict, prefix: str) -> None:
         for name, value in table.items():
             dotted = f"{prefix}.{name}" if prefix else name
             if not prefix and name in ("schema_version", "probe"):
                 continue  # [probe] is validated by ProbeParams.from_dict below
-            if dotted in SCHEMA:
+            if dotted in schema:
                 if not isinstance(value, dict):
                     raise JobError(f"{src}: '{dotted}' must be a table ([{dotted}]), got {value!r}")
                 walk(value, dotted)
-            elif prefix in SCHEMA and name in SCHEMA[prefix]:
-                out.setdefault(prefix, {})[name] = _check_value(src, dotted, SCHEMA[prefix][name], value)
+            elif prefix in schema and name in schema[prefix]:
+                out.setdefault(prefix, {})[name] = _check_value(src, dotted, schema[prefix][name], value)
             else:
                 where = f"section [{prefix}]" if prefix else "the top level"
-                known = sorted(SCHEMA[prefix]) if prefix in SCHEMA else sorted(
-                    ["schema_version"] + [s for s in SCHEMA if "." not in s])
-                known += sorted(s[len(prefix) + 1:] for s in SCHEMA if prefix and s.startswith(prefix + "."))
+                known = sorted(schema[prefix]) if prefix in schema else sorted(
+                    ["schema_version"] + [s for s in schema if "." not in s])
+                known += sorted(s[len(prefix) + 1:] for s in schema if prefix and s.startswith(prefix + "."))
                 raise JobError(f"{src}: unknown key '{dotted}' in {where} (known: {', '.join(known)})")
 
     walk(doc, "")
     full: dict[str, dict] = {}
-    for section, keys in SCHEMA.items():
+    for section, keys in schema.items():
         given = out.get(section, {})
         values = {}
         for name, key in keys.items():
@@ -436,9 +372,7 @@ def parse_job(doc: dict, *, path: str | Path | None = None) -> Job:
 
     metrics = {
         "families": tuple(full["metrics"]["families"]),
-        "ri": dict(full["metrics.ri"]),
-        "mari": dict(full["metrics.mari"]),
-        "croma": dict(full["metrics.croma"]),
+        **{name: dict(full[f"metrics.{name}"]) for name in families.names(families.NEIGHBOUR)},
         "bootstrap": dict(full["metrics.bootstrap"]),
     }
     document = {"schema_version": SCHEMA_VERSION, **full}

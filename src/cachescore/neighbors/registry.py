@@ -151,11 +151,11 @@ def is_out_of_core(params: dict) -> bool:
 
 def in_memory_searcher(params: dict):
     """The in-memory :class:`~.base.Searcher` for a unit's parameters: :class:`~.ann.AnnSearch` for
-    ``backend = "ann"``, ``None`` for ``exact`` (the metrics' own exact ``compute`` path, which
-    also counts CRoMa's schedule diagnostics). Raises ``ValueError`` for an unknown backend."""
+    ``backend = "ann"``, :class:`~.exact_search.ExactSearch` for ``exact`` (the metrics' own exact
+    kernels, CRoMa's schedule diagnostics included). Raises ``ValueError`` for an unknown backend."""
     backend = params.get("backend", "exact")
     if backend == "exact":
-        return None
+        return _load("exact_search", "ExactSearch")()
     if backend == "ann":
         return _load("ann", "AnnSearch")(params)
     raise ValueError(f"unknown neighbour backend {backend!r} in unit parameters; expected one of {sorted(_TABLE)}")

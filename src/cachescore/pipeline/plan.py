@@ -25,13 +25,12 @@ import json
 from dataclasses import dataclass, field
 from enum import Enum
 
-import numpy as np
-import pandas as pd
 
 from .._jsonsafe import json_default
 from ..cache import Cache
 from ..fingerprint import code_version, fingerprint
 from ..jobs.schema import Job
+from ..metrics import families
 from ..neighbors.registry import engine_params, is_out_of_core
 from ..store import ResultsStore
 from .probe_unit import probe_record_fingerprint, probe_record_keys, probe_unit_done, probe_unit_fingerprint
@@ -89,8 +88,7 @@ class WorkUnit:
         """Short display name: ``encoder/view/design/metric[m=…]`` (probe units: ``encoder/view/probe``)."""
         if self.kind is UnitKind.PROBE:
             return f"{self.encoder}/{self.view}/probe"
-        extra = f"[m={self.params['m']}]" if self.metric == "croma" else ""
-        return f"{self.encoder}/{self.view}/{self.design}/{self.metric}{extra}"
+        return f"{self.encoder}/{self.view}/{self.design}/{families.get(self.metric).tag(self.params)}"
 
     def describe(self) -> dict:
         """JSON-safe identity of the unit (what a failure record and the provenance store)."""
@@ -169,22 +167,10 @@ def unit_fingerprint(*, encoder, view, design, metric, confounder_column, params
 
 
 def _metric_params(job: Job) -> list[tuple[str, dict]]:
-    out = []
-    m = job.metrics
-    for fam in m["families"]:
-        if fam == "ri":
-            out.append(("ri", {"k_candidates": [int(k) for k in m["ri"]["k_candidates"]]}))
-        elif fam == "mari":
-            tau = m["mari"]["tau"]
-            out.append(("mari", {"k_candidates": [int(k) for k in m["mari"]["k_candidates"]],
-                                 "tau": tau if tau == "auto" else float(tau),
-                                 "warn_tau": bool(m["mari"]["warn_tau"])}))
-        elif fam == "croma":
-            c = m["croma"]
-            for mm in dict.fromkeys(int(x) for x in c["m"]):
-                out.append(("croma", {"m": mm, "alpha": float(c["alpha"]), "start_k": int(c["start_k"]),
-                                      "k_growth_factor": float(c["k_growth_factor"])}))
-    return out
+    """``[(family, unit parameters)]``: one entry per work unit of each requested family (in the
+    job's order), expanded from its validated ``[metrics.<family>]`` section."""
+    return [(name, params) for name in job.metrics["families"]
+            for params in families.get(name).units(job.metrics[name])]
 
 
 def _scope_rows(frame, design: str) -> int:
@@ -226,55 +212,17 @@ def _scopes(frame, design: str) -> list[tuple[str, object]]:
     return [("dataset", frame)]
 
 
-def _typed_counts(part, confounder: str):
-    """Per row of ``part``: how many SO rows (same label, other confounder value) and OS rows (other
-    label, same confounder) it has outside its own ``group_id`` (spec §1: the candidates CRoMa draws
-    its m nearest SO and OS neighbours from). Two int64 arrays."""
-    y = part["label"].astype(str).str.strip().to_numpy()
-    c = part[confounder].astype(str).str.strip().to_numpy()
-    g = part["group_id"].astype(str).to_numpy() if "group_id" in part.columns else np.arange(len(part)).astype(str)
-    t = pd.DataFrame({"y": y, "c": c, "g": g})
-
-    def count(*cols):
-        return t.groupby(list(cols))["y"].transform("size").to_numpy(dtype=np.int64)
-
-    n_yc, n_y, n_c = count("y", "c"), count("y"), count("c")
-    g_yc, g_y, g_c = count("g", "y", "c"), count("g", "y"), count("g", "c")
-    return (n_y - n_yc) - (g_y - g_yc), (n_c - n_yc) - (g_c - g_yc)
-
-
 def scope_size_problem(frame, confounder: str, design: str, view: str, metric: str, params: dict) -> str | None:
-    """Why ``metric`` with ``params`` cannot be scored on ``view`` for lack of rows, or None.
-
-    RI / MaRI select k among ``k_candidates`` that are ``< n`` (spec §3: all-rows k-selection; under
-    ``paired_2x2`` at least one subset needs one). CRoMa needs, for every row, ``m`` SO and ``m``
-    OS candidates outside its group (§7.5: one unscoreable row fails the unit). The message names
-    the view, the scope, the parameter and the counts, so ``validate`` refuses before a cluster
-    starts. Views lacking the columns are left to the metric's own validation."""
+    """Why ``metric`` with ``params`` cannot be scored on ``view`` for lack of rows, or None: the
+    family's own ``scope_problem`` over the view's scopes (RI / MaRI: some k of ``k_candidates``
+    below a scope's size, spec §3; CRoMa: ``m`` SO and ``m`` OS candidates outside its group for
+    every row, §7.5). The message names the view, the scope, the parameter and the counts, so
+    ``validate`` refuses before a cluster starts. Views lacking the columns are left to the
+    metric's own validation."""
     if confounder not in frame.columns or "label" not in frame.columns or not len(frame):
         return None
-    scopes = _scopes(frame, design)
-    if metric in ("ri", "mari"):
-        ks = sorted(int(k) for k in params.get("k_candidates", []))
-        sizes = {name: len(part) for name, part in scopes}
-        if ks and all(ks[0] >= n for n in sizes.values()):
-            where = "its rows" if design != "paired_2x2" else f"its largest subset ({max(sizes, key=sizes.get)!r})"
-            return (f"view {view!r} ({design}): every k in k_candidates {ks} is >= the {max(sizes.values())} rows of "
-                    f"{where}; k-selection needs a candidate k < the scope size: add smaller k values to "
-                    f"[metrics.{metric}] k_candidates")
-    elif metric == "croma":
-        m = int(params["m"])
-        for name, part in scopes:
-            so, os_ = _typed_counts(part, confounder)
-            worst = int(min(so.min(), os_.min()))
-            if worst < m:
-                where = f"view {view!r}" + ("" if name == "dataset" else f", scope {name!r}")
-                row = int((so if so.min() <= os_.min() else os_).argmin())
-                kind = "SO" if so.min() <= os_.min() else "OS"
-                return (f"{where} ({len(part)} rows): CRoMa m={m} needs {m} SO and {m} OS neighbours outside each "
-                        f"row's group, but row {row} of the scope has only {worst} {kind} candidate(s); lower "
-                        f"[metrics.croma] m to at most {worst} or score a larger view")
-    return None
+    check = families.get(metric).scope_problem
+    return None if check is None else check(_scopes(frame, design), confounder, params, view, design)
 
 
 def _design_for(job: Job, hint) -> str:

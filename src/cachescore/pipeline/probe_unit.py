@@ -38,9 +38,10 @@ from ..cache import Cache
 from ..errors import DATA_ERRORS
 from ..fingerprint import code_version as current_code_version
 from ..fingerprint import fingerprint
+from ..metrics import families
 from ..probe.bundle import BundleError, read_bundle, write_bundle
 from ..probe.evaluate import evaluate_sweep, role_kind
-from ..probe.params import PROBE_METRICS, ProbeParams
+from ..probe.params import ProbeParams
 from ..probe.views import ProbeSelection, select_probe_rows
 from ..store import ResultsStore
 
@@ -108,7 +109,7 @@ def probe_record_fingerprint(unit_fingerprint: str, matrix: str, metric: str) ->
 
 def probe_record_keys(params: ProbeParams | Mapping) -> list[tuple[str, str]]:
     """``[(matrix, metric), ...]`` a unit with ``params`` produces, in record order."""
-    return [(m, r) for m in ProbeParams.coerce(params).matrix_names for r in PROBE_METRICS]
+    return [(m, r) for m in ProbeParams.coerce(params).matrix_names for r in families.names(families.PROBE)]
 
 
 def probe_unit_done(store, unit_fingerprint: str, params: ProbeParams | Mapping) -> bool:
@@ -124,8 +125,8 @@ def _records(evaluation, *, identity: dict, unit_fp: str, params: ProbeParams, b
              seconds: float, reused: bool, selection: ProbeSelection) -> list[dict]:
     records = []
     for name, matrix in evaluation.matrices.items():
-        for metric, values in (("apd", evaluation.apd), ("nipd", evaluation.nipd)):
-            v = values.get(name)
+        for metric in families.names(families.PROBE):
+            v = getattr(evaluation, families.get(metric).evaluation_field).get(name)
             records.append({
                 "fingerprint": probe_record_fingerprint(unit_fp, name, metric),
                 "encoder": identity["encoder"], "view": identity["view"], "tileset": identity["tileset"],

@@ -44,9 +44,7 @@ from .._threads import single_thread_blas
 from ..cache import Cache
 from ..errors import DATA_ERRORS, UnscorableError
 from ..manifest import prepare
-from ..metrics.croma import CRoMa
-from ..metrics.mari import MaRI
-from ..metrics.ri import RI
+from ..metrics import families
 from ..neighbors.large_scope import LargeScopeSearch, ScopeRows, scratch_dir
 from ..neighbors.normalize import compute_dtype
 from ..neighbors.registry import in_memory_searcher
@@ -74,20 +72,22 @@ def _nan(x) -> float:
 
 
 def result_record(unit, result, *, recall: float = float("nan")) -> tuple[dict, pd.DataFrame]:
-    """Store record + per-unit table from a ``RobustnessResult`` or ``CRoMaResult``.
+    """Store record + per-unit table of a family's result (``RobustnessResult``, ``CRoMaResult``, …).
 
     Record keys: the unit's identity (encoder, view, tileset, design, metric, params), ``value``,
-    ``std``, ``q_alpha``, ``ltm_alpha``, ``f0`` (CRoMa), ``support`` (float64 fraction of defined
-    units, ``RobustnessResult.support``; 1.0 for CRoMa), ``n_defined`` (their count), ``k`` (operating k;
-    CRoMa: ``k_final``), ``tau`` (MaRI), ``m`` (CRoMa), ``recall`` (ANN), ``backend``,
-    ``n_units``, ``n_pairs``, ``fingerprint``. Missing quantities are NaN, never 0.
+    ``std``, ``q_alpha``, ``ltm_alpha``, ``recall`` (ANN), ``backend``, ``n_units``, ``n_pairs``,
+    ``fingerprint``, the keys every family shares, then the family's own fields
+    (:attr:`cachescore.metrics.families.Family.record`: RI/MaRI ``support``, ``n_defined``, ``k``,
+    MaRI ``tau``, CRoMa ``f0``, ``k`` = ``k_final``, ``m``). ``f0``, ``tau`` and ``m`` are NaN /
+    None where a family has none; missing quantities are NaN, never 0.
     Per-unit columns: ``unit`` (0..U-1, unit order), ``source_index`` (view row), ``subset``,
-    ``value`` (aligned; NaN when undefined) and, for RI/MaRI, ``defined``, ``undefined_type`` and
-    the per-unit evidence ``so`` / ``os`` (counts for RI, weight sums for MaRI; the pooled value is
-    ``sum(so) / (sum(so) + sum(os))``), which the results' cluster bootstrap resamples.
+    ``value`` (aligned; NaN when undefined), then the family's columns (RI/MaRI: ``defined``,
+    ``undefined_type`` and the per-unit evidence ``so`` / ``os``, counts for RI, weight sums for
+    MaRI; the pooled value is ``sum(so) / (sum(so) + sum(os))``, which the results' cluster
+    bootstrap resamples).
     """
-    is_croma = unit.metric == "croma"
     values = np.asarray(result.sample_values_aligned, dtype=float)
+    fields, columns = families.get(unit.metric).record(result)
     record = {
         "encoder": unit.encoder,
         "view": unit.view,
@@ -98,62 +98,41 @@ def result_record(unit, result, *, recall: float = float("nan")) -> tuple[dict, 
         "params": params_json(unit.params),
         "backend": unit.params.get("backend", "exact"),
         "value": _nan(result.value),
-        "std": _nan(result.std),
-        "q_alpha": _nan(result.q_alpha),
-        "ltm_alpha": _nan(result.ltm_alpha),
-        "f0": _nan(result.f0) if is_croma else float("nan"),
-        # ``support`` is RobustnessResult.support (fraction of defined units); CRoMa enforces
-        # total support (its result has no support field): 1.0. The count is ``n_defined``.
-        "support": 1.0 if is_croma else _nan(result.support),
-        "k": int(result.k_final) if is_croma else int(result.k),
-        "tau": _nan(getattr(result, "tau", None)) if unit.metric == "mari" else float("nan"),
-        "m": int(result.m) if is_croma else None,
+        "std": _nan(getattr(result, "std", None)),
+        "q_alpha": _nan(getattr(result, "q_alpha", None)),
+        "ltm_alpha": _nan(getattr(result, "ltm_alpha", None)),
+        "f0": float("nan"),
+        "support": float("nan"),
+        "k": None,
+        "tau": float("nan"),
+        "m": None,
         "recall": float(recall),
         "n_units": int(values.size),
-        "n_defined": int(np.asarray(result.occurrence_defined_mask).sum()) if not is_croma else int(values.size),
-        "n_pairs": int(result.n_pairs),
+        "n_defined": int(np.isfinite(values).sum()),
+        "n_pairs": int(getattr(result, "n_pairs", 0) or 0),
         "fingerprint": unit.fingerprint,
     }
+    record.update(fields)
+    sources = getattr(result, "occurrence_source_indices", None)
+    subsets = getattr(result, "occurrence_subsets", None)
     per_unit = pd.DataFrame({
         "unit": np.arange(values.size, dtype=np.int64),
-        "source_index": np.asarray(result.occurrence_source_indices, dtype=np.int64)
-        if result.occurrence_source_indices is not None else np.arange(values.size, dtype=np.int64),
-        "subset": np.asarray(result.occurrence_subsets, dtype=object).astype(str)
-        if result.occurrence_subsets is not None else np.full(values.size, "dataset"),
+        "source_index": np.asarray(sources, dtype=np.int64) if sources is not None
+        else np.arange(values.size, dtype=np.int64),
+        "subset": np.asarray(subsets, dtype=object).astype(str) if subsets is not None
+        else np.full(values.size, "dataset"),
         "value": values,
     })
-    if not is_croma:
-        per_unit["defined"] = np.asarray(result.occurrence_defined_mask, dtype=bool)
-        per_unit["undefined_type"] = np.asarray(result.sample_undefined_types).astype(str)
-        if result.occurrence_so is not None:  # the pooled ratio's evidence, for its bootstrap CI
-            per_unit["so"] = np.asarray(result.occurrence_so, dtype=np.float64)
-            per_unit["os"] = np.asarray(result.occurrence_os, dtype=np.float64)
+    for name, column in columns.items():
+        per_unit[name] = column
     return record, per_unit
 
 
 def _compute(unit, features, manifest, searcher):
-    """Call the metric API for ``unit`` (the one place the pipeline does): its ``compute`` (exact,
-    in memory) or ``compute_with`` the searcher's methods."""
-    p = unit.params
-    common = dict(confounder_column=unit.confounder_column, evaluation_design=unit.design)
-    if unit.metric == "ri":
-        kw = dict(common, k_candidates=list(p["k_candidates"]))
-        result = RI.compute_with(searcher.cross, features, manifest, **kw) if searcher else RI.compute(features, manifest, **kw)
-    elif unit.metric == "mari":
-        tau = None if p["tau"] == "auto" else float(p["tau"])
-        kw = dict(common, k_candidates=list(p["k_candidates"]), tau=tau, warn_tau=bool(p["warn_tau"]))
-        result = (MaRI.compute_with(searcher.cross, features, manifest, **kw) if searcher
-                  else MaRI.compute(features, manifest, **kw))
-    elif unit.metric == "croma":
-        kw = dict(common, m=int(p["m"]), alpha=float(p["alpha"]), start_k=int(p["start_k"]),
-                  k_growth_factor=float(p["k_growth_factor"]))
-        # On ANN / large scopes croma's schedule diagnostics would need an exact O(n^2 d) counting
-        # pass that cancels the gain: they are reported as -1 ("not computed", ADR-0002).
-        result = (CRoMa.compute_with(searcher.typed, features, manifest, schedule_diagnostics=False, **kw) if searcher
-                  else CRoMa.compute(features, manifest, **kw))
-    else:
-        raise ValueError(f"unknown metric family {unit.metric!r} (known: ri, mari, croma)")
-    return result
+    """Call the unit's family through ``searcher`` (the one place the pipeline calls the metric
+    API: :attr:`cachescore.metrics.families.Family.compute`)."""
+    return families.get(unit.metric).compute(unit.params, features, manifest, confounder_column=unit.confounder_column,
+                                             design=unit.design, searcher=searcher)
 
 
 def score_unit(unit, features: np.ndarray, manifest: pd.DataFrame, *, searcher=None) -> tuple[dict, pd.DataFrame]:
@@ -196,9 +175,9 @@ def score_unit(unit, features: np.ndarray, manifest: pd.DataFrame, *, searcher=N
             raise
         # the metric API's (croma's) refusal of the data: a data error, not a bug
         raise UnscorableError(f"{unit.label}: {exc}") from exc
-    measured = searcher is not None and p.get("backend") == "ann"  # exact searches have no recall to measure
+    measured = p.get("backend") == "ann"  # exact searches have no recall to measure
     record, per_unit = result_record(unit, result, recall=searcher.recall if measured else float("nan"))
-    if searcher is not None and searcher.details:
+    if searcher.details:
         record["neighbour_search"] = searcher.details
     return record, per_unit
 

@@ -14,13 +14,15 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ..metrics import families
 from .schedule import PATHOROB_SPLITS, pathorob_schedule
 
 __all__ = ["PROBE_KEYS", "PROBE_METRICS", "ProbeParams", "ProbeParamsError", "RowFilter"]
 
 
-#: Reductions stored per matrix; the ``metric`` column of the records (display: APD, nIPD).
-PROBE_METRICS = ("apd", "nipd")
+#: Reductions stored per matrix; the ``metric`` column of the records: the probe families of
+#: :data:`cachescore.metrics.families.FAMILIES` (display: APD, nIPD).
+PROBE_METRICS = families.names(families.PROBE)
 
 #: Keys of the ``[probe]`` table, with their meaning (``*`` = required).
 PROBE_KEYS: dict[str, str] = {

@@ -42,14 +42,8 @@ from collections.abc import Iterable
 import numpy as np
 import pandas as pd
 
-from ..metrics.bootstrap import (
-    balanced_median_replicates,
-    cluster_counts,
-    percentile_ci,
-    pooled_ratio_replicates,
-    rank_summary,
-)
-from ..probe.reductions import nipd
+from ..metrics import families
+from ..metrics.bootstrap import cluster_counts, percentile_ci, rank_summary
 from .bundles import BundleFacts, bundle_facts
 
 __all__ = ["SCORE_COLUMNS", "PROBE_COLUMNS", "CENTRE_COLUMNS", "BOOTSTRAP_DEFAULTS", "score_entries", "score_table",
@@ -106,10 +100,11 @@ class _Views:
         return got[1], got[2]
 
 
-def _fallback_reason(metric: str, record: dict, per_unit: pd.DataFrame, frame: pd.DataFrame, confounder: str) -> str:
-    """Why a stored RI/MaRI value is a fallback, or ``""`` (spec §5.3: 0.5 without support; a scope
-    with one confounder value has no OS neighbour, one label no SO neighbour)."""
-    if metric in ("ri", "mari"):
+def _fallback_reason(family, record: dict, per_unit: pd.DataFrame, frame: pd.DataFrame, confounder: str) -> str:
+    """Why a stored value is a fallback, or ``""``: for a family with support (RI/MaRI, spec
+    §5.3) 0.5 without support, or a scope with one confounder value (no OS neighbour) or one label
+    (no SO neighbour); for every family a non-finite value."""
+    if family is not None and family.has_support:
         if int(record.get("n_defined") or 0) == 0:
             return "support 0: no unit has an SO or OS neighbour, the value is the 0.5 fallback"
         rows = per_unit["source_index"].to_numpy(dtype=np.int64)
@@ -128,63 +123,40 @@ def _fallback_reason(metric: str, record: dict, per_unit: pd.DataFrame, frame: p
     return ""
 
 
+def _low_support(family, record: dict, min_support: float) -> bool:
+    support = _num(record.get("support"))
+    return bool(family is not None and family.has_support and math.isfinite(support) and support < min_support)
+
+
 def _metric_entry(fp: str, record: dict, store, views: _Views, bootstrap: dict, min_support: float) -> dict:
-    metric, view, design = record.get("metric"), record.get("view"), record.get("design")
+    family = families.lookup(record.get("metric"))
+    view, design = record.get("view"), record.get("design")
     per_unit = store.per_unit(fp)
     missing = [c for c in ("source_index", "subset", "value") if c not in per_unit.columns]
     if missing:  # a record written by something else than result_record: no units to resample
-        support = _num(record.get("support"))
         return _entry(record, fp, None, f"not available: the per-unit table lacks {', '.join(missing)}", bootstrap,
                       reason="" if math.isfinite(_num(record.get("value"))) else "the value is not finite",
-                      low_support=metric in ("ri", "mari") and math.isfinite(support) and support < min_support)
+                      low_support=_low_support(family, record, min_support))
     frame, confounder = views.frame(view)
     rows = per_unit["source_index"].to_numpy(dtype=np.int64)
     groups = frame["group_id"].astype(str).to_numpy()[rows]
     member, counts = views.draw(view, design, groups)
     subsets = per_unit["subset"].astype(str).to_numpy() if design == "paired_2x2" else None
-    reps, method = None, ""
-    if metric in ("ri", "mari"):
-        if {"so", "os"} <= set(per_unit.columns):
-            reps = pooled_ratio_replicates(per_unit["so"].to_numpy(), per_unit["os"].to_numpy(), member, counts)
-            method = "cluster bootstrap (group_id) of the pooled ratio"
-        else:
-            method = "not available: the record predates per-unit evidence (rescore to get a CI)"
-    elif metric == "croma":
-        reps = balanced_median_replicates(per_unit["value"].to_numpy(), member, counts, subsets)
-        method = ("cluster bootstrap (group_id) of the median of per-subset medians" if subsets is not None
-                  else "cluster bootstrap (group_id) of the pooled median")
-    reason = _fallback_reason(metric, record, per_unit, frame, confounder)
-    support = _num(record.get("support"))
+    reps, method = None, f"not available: metric family {record.get('metric')!r} has no interval rule"
+    if family is not None and family.replicates is not None:
+        reps, method = family.replicates(per_unit, member, counts, subsets)
+    reason = _fallback_reason(family, record, per_unit, frame, confounder)
     return _entry(record, fp, reps, method, bootstrap, reason=reason,
-                  low_support=metric in ("ri", "mari") and math.isfinite(support) and support < min_support)
-
-
-def _nipd_replicates(acc: np.ndarray, facts: BundleFacts) -> np.ndarray | None:
-    """nIPD of every replicate column (the schedule's Cramér's V and the chance level come from
-    the bundle); None when they are not available. A replicate whose nIPD is undefined is NaN."""
-    if facts.cramers_v is None or facts.chance is None or len(facts.cramers_v) != acc.shape[0]:
-        return None
-    out = np.full(acc.shape[1], np.nan)
-    for r in range(acc.shape[1]):  # one tiny matrix per replicate (a sweep has tens of replicates)
-        try:
-            out[r] = nipd(np.ascontiguousarray(acc[:, r : r + 1]), facts.cramers_v, facts.chance)
-        except ValueError:
-            pass
-    return out
+                  low_support=_low_support(family, record, min_support))
 
 
 def _probe_entry(fp: str, record: dict, bootstrap: dict, facts: BundleFacts) -> dict:
-    reps, method = None, ""
+    family = families.lookup(record.get("metric"))
     matrix = record.get("matrix")
     acc = np.asarray(matrix, dtype=np.float64) if matrix is not None else None
-    ok = acc is not None and acc.ndim == 2 and acc.shape[0] >= 2
-    if record.get("metric") == "apd" and ok and (acc[0] > 0).all():
-        reps = (acc[1:] / acc[0]).mean(axis=0) - 1  # the per-replicate drops APD averages
-        method = "percentile over probe replicates"
-    elif record.get("metric") == "nipd" and ok and (reps := _nipd_replicates(acc, facts)) is not None:
-        method = "percentile over probe replicates (per-replicate nIPD)"
-    else:
-        reps, method = None, "not available: the bundle's Cramér's V / chance level could not be read"
+    reps, method = None, "not available: the record holds no accuracy matrix of two or more splits"
+    if acc is not None and acc.ndim == 2 and acc.shape[0] >= 2 and family is not None and family.replicates:
+        reps, method = family.replicates(acc, facts.cramers_v, facts.chance)
     reason = "" if math.isfinite(_num(record.get("value"))) else "the value is not finite"
     entry = _entry(record, fp, reps, method, bootstrap, reason=reason, low_support=False)
     warn = facts.smallest_c_warning

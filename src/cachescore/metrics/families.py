@@ -1,0 +1,356 @@
+"""The metric families as data: one table that says, per family, everything the rest of the house asks.
+
+A :class:`Family` holds a family's job keys (``[metrics.<name>]``, with types, defaults and
+checks), how its work units are expanded from them, how a unit is computed through a neighbour
+engine (:class:`cachescore.neighbors.base.Searcher`: exact, ANN or out of core, all the same
+call), which fields its store record and per-unit table carry, how its interval is computed from
+the stored values, its display name, its value range and its **direction** (higher is more
+robust, for every family here). The job schema, the planner, the work unit, the score table, the
+report, its figures and the CLI iterate :data:`FAMILIES` / :func:`get`; none of them compares a
+family name.
+
+Built-in families, in table (= scoring and display) order:
+
+==========  =========  =========================================  ==============================
+name        kind       computed by                                interval
+==========  =========  =========================================  ==============================
+``ri``      neighbour  :class:`.ri.RI` (``searcher.cross``)       cluster bootstrap, pooled ratio
+``mari``    neighbour  :class:`.mari.MaRI` (``searcher.cross``)   cluster bootstrap, pooled ratio
+``croma``   neighbour  :class:`.croma.CRoMa` (``searcher.typed``) cluster bootstrap, median
+``apd``     probe      the probe sweep (``ProbeEvaluation.apd``)  percentile over replicates
+``nipd``    probe      the probe sweep (``ProbeEvaluation.nipd``) percentile over replicates
+==========  =========  =========================================  ==============================
+
+Adding a neighbour family = one module with its computation plus one :class:`Family` in
+:data:`_BUILTIN` (``docs/extending.md``); :func:`register` adds one at run time (a notebook, a
+test: workers in other processes import this module afresh, so a registered family reaches them
+only in-process, ``run_job(..., processes=False)``).
+
+Contract of a neighbour family's ``compute(params, features, manifest, *, confounder_column,
+design, searcher)``: returns a result with ``value`` (float) and ``sample_values_aligned``
+(``(U,)`` float, unit order), and may have ``std``, ``q_alpha``, ``ltm_alpha``, ``n_pairs``,
+``occurrence_source_indices``, ``occurrence_subsets`` (missing ones are stored as NaN / 0 / the
+view order); it raises ``ValueError`` for data it cannot score and a plain ``RuntimeError`` for a
+refusal of the data (both recorded as the unit's data error). ``record(result)`` returns
+``(fields, columns)``: the family's own record fields (``support``, ``n_defined``, ``k``, ``tau``,
+``f0``, ``m``, anything else JSON-safe) and its extra per-unit columns (name -> ``(U,)`` array, in
+order). ``replicates(per_unit, member, counts, subsets)`` returns ``(replicate values or None,
+ci_method text)`` from the stored per-unit table and the view's shared cluster draw
+(:func:`.bootstrap.cluster_counts`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from .._keys import NUM, Key, growth, int_list, open_unit, positive_int, tau
+from .bootstrap import balanced_median_replicates, pooled_ratio_replicates
+from .croma import CRoMa
+from .mari import MaRI
+from .probe_reductions import nipd
+from .ri import RI
+
+__all__ = ["NEIGHBOUR", "PROBE", "HIGHER", "Family", "FAMILIES", "get", "lookup", "names", "register",
+           "unregister", "display", "order"]
+
+#: ``Family.kind`` of a family scored by one work unit per parameter set over a neighbour search.
+NEIGHBOUR = "neighbour"
+#: ``Family.kind`` of a reduction of the probe sweep's accuracy matrices (one record per matrix).
+PROBE = "probe"
+#: ``Family.direction`` of every built-in family.
+HIGHER = "higher is more robust"
+
+
+@dataclass(frozen=True)
+class Family:
+    """One metric family (see the module docstring for the callables' contracts).
+
+    ``name`` is the job key and the stored ``metric`` value (never rename a built-in one: records
+    and fingerprints carry it); ``label`` the display name; ``value_range`` a fixed range of the
+    value (its plots' axis) or None (plots symmetric around ``neutral``, the no-effect value);
+    ``has_support``: the value is a pooled ratio whose units may lack neighbours (support, the
+    low-support flag and the 0.5-fallback rules apply); ``unit_param``: the parameter that makes
+    one unit per value (its value is part of labels, leaderboards and the ``m`` column);
+    ``margins``: the per-unit values are margins whose ECDF the report draws;
+    ``evaluation_field``: for a probe family, the ``ProbeEvaluation`` attribute holding its value
+    per matrix.
+    """
+
+    name: str
+    label: str
+    kind: str
+    doc: str
+    keys: Mapping[str, Key] = field(default_factory=dict)
+    units: Callable[[Mapping], list[dict]] | None = None
+    compute: Callable | None = None
+    record: Callable | None = None
+    replicates: Callable | None = None
+    scope_problem: Callable | None = None
+    value_range: tuple[float, float] | None = None
+    neutral: float = 0.0
+    direction: str = HIGHER
+    has_support: bool = False
+    unit_param: str | None = None
+    margins: bool = False
+    evaluation_field: str | None = None
+
+    def tag(self, params: Mapping) -> str:
+        """The family in a unit label: ``ri``, ``croma[m=5]``."""
+        p = self.unit_param
+        return f"{self.name}[{p}={params[p]}]" if p and p in params else self.name
+
+    def display(self, m=None, scope=None) -> str:
+        """Display name of one score: ``RI``, ``CRoMa (m=5)``, ``APD [centre_C]``."""
+        out = self.label
+        if self.unit_param and m is not None and not _missing(m):
+            out += f" ({self.unit_param}={int(m)})"
+        if self.kind == PROBE and scope is not None and not _missing(scope):
+            out += f" [{scope}]"
+        return out
+
+
+def _missing(x) -> bool:
+    return x is None or (isinstance(x, float) and math.isnan(x)) or x is pd.NA
+
+
+def _nan(x) -> float:
+    try:
+        return float(x) if x is not None else float("nan")
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+# -- RI and MaRI: pooled ratios over a cross-group window ----------------------------------------
+def _k_list(section: Mapping) -> list[int]:
+    return [int(k) for k in section["k_candidates"]]
+
+
+def _ratio_record(result) -> tuple[dict, dict]:
+    fields = {"support": _nan(result.support), "n_defined": int(np.asarray(result.occurrence_defined_mask).sum()),
+              "k": int(result.k)}
+    columns = {"defined": np.asarray(result.occurrence_defined_mask, dtype=bool),
+               "undefined_type": np.asarray(result.sample_undefined_types).astype(str)}
+    if result.occurrence_so is not None:  # the pooled ratio's evidence, for its bootstrap CI
+        columns["so"] = np.asarray(result.occurrence_so, dtype=np.float64)
+        columns["os"] = np.asarray(result.occurrence_os, dtype=np.float64)
+    return fields, columns
+
+
+def _ratio_replicates(per_unit: pd.DataFrame, member, counts, subsets):
+    if not {"so", "os"} <= set(per_unit.columns):
+        return None, "not available: the record predates per-unit evidence (rescore to get a CI)"
+    reps = pooled_ratio_replicates(per_unit["so"].to_numpy(), per_unit["os"].to_numpy(), member, counts)
+    return reps, "cluster bootstrap (group_id) of the pooled ratio"
+
+
+def _k_problem(name: str):
+    def problem(scopes, confounder: str, params: Mapping, view: str, design: str) -> str | None:
+        ks = sorted(int(k) for k in params.get("k_candidates", []))
+        sizes = {scope: len(part) for scope, part in scopes}
+        if ks and all(ks[0] >= n for n in sizes.values()):
+            where = "its rows" if design != "paired_2x2" else f"its largest subset ({max(sizes, key=sizes.get)!r})"
+            return (f"view {view!r} ({design}): every k in k_candidates {ks} is >= the {max(sizes.values())} rows of "
+                    f"{where}; k-selection needs a candidate k < the scope size: add smaller k values to "
+                    f"[metrics.{name}] k_candidates")
+        return None
+
+    return problem
+
+
+def _ri_compute(params, features, manifest, *, confounder_column, design, searcher):
+    return RI.compute_with(searcher.cross, features, manifest, confounder_column=confounder_column,
+                           evaluation_design=design, k_candidates=list(params["k_candidates"]))
+
+
+def _mari_units(section: Mapping) -> list[dict]:
+    t = section["tau"]
+    return [{"k_candidates": _k_list(section), "tau": t if t == "auto" else float(t),
+             "warn_tau": bool(section["warn_tau"])}]
+
+
+def _mari_compute(params, features, manifest, *, confounder_column, design, searcher):
+    t = None if params["tau"] == "auto" else float(params["tau"])
+    return MaRI.compute_with(searcher.cross, features, manifest, confounder_column=confounder_column,
+                             evaluation_design=design, k_candidates=list(params["k_candidates"]), tau=t,
+                             warn_tau=bool(params["warn_tau"]))
+
+
+def _mari_record(result) -> tuple[dict, dict]:
+    fields, columns = _ratio_record(result)
+    return dict(fields, tau=_nan(getattr(result, "tau", None))), columns
+
+
+# -- CRoMa: typed margins ------------------------------------------------------------------------
+def _croma_units(section: Mapping) -> list[dict]:
+    return [{"m": mm, "alpha": float(section["alpha"]), "start_k": int(section["start_k"]),
+             "k_growth_factor": float(section["k_growth_factor"])} for mm in dict.fromkeys(int(x) for x in section["m"])]
+
+
+def _croma_compute(params, features, manifest, *, confounder_column, design, searcher):
+    # Only an engine that says so affords croma's exact schedule counting pass (an O(n^2 d)
+    # GEMM pass that would cancel an ANN / out-of-core gain): elsewhere the schedule fields are
+    # -1, "not computed" (ADR-0002).
+    return CRoMa.compute_with(searcher.typed, features, manifest, confounder_column=confounder_column,
+                              evaluation_design=design, m=int(params["m"]), alpha=float(params["alpha"]),
+                              start_k=int(params["start_k"]), k_growth_factor=float(params["k_growth_factor"]),
+                              schedule_diagnostics=bool(getattr(searcher, "schedule_diagnostics", False)))
+
+
+def _croma_record(result) -> tuple[dict, dict]:
+    values = np.asarray(result.sample_values_aligned, dtype=float)
+    # CRoMa enforces total support (its result has no support field): 1.0, every unit defined.
+    return {"f0": _nan(result.f0), "support": 1.0, "k": int(result.k_final), "m": int(result.m),
+            "n_defined": int(values.size)}, {}
+
+
+def _croma_replicates(per_unit: pd.DataFrame, member, counts, subsets):
+    reps = balanced_median_replicates(per_unit["value"].to_numpy(), member, counts, subsets)
+    return reps, ("cluster bootstrap (group_id) of the median of per-subset medians" if subsets is not None
+                  else "cluster bootstrap (group_id) of the pooled median")
+
+
+def _typed_counts(part: pd.DataFrame, confounder: str):
+    """Per row of ``part``: how many SO rows (same label, other confounder value) and OS rows (other
+    label, same confounder) it has outside its own ``group_id`` (spec §1: the candidates CRoMa draws
+    its m nearest SO and OS neighbours from). Two int64 arrays."""
+    y = part["label"].astype(str).str.strip().to_numpy()
+    c = part[confounder].astype(str).str.strip().to_numpy()
+    g = part["group_id"].astype(str).to_numpy() if "group_id" in part.columns else np.arange(len(part)).astype(str)
+    t = pd.DataFrame({"y": y, "c": c, "g": g})
+
+    def count(*cols):
+        return t.groupby(list(cols))["y"].transform("size").to_numpy(dtype=np.int64)
+
+    n_yc, n_y, n_c = count("y", "c"), count("y"), count("c")
+    g_yc, g_y, g_c = count("g", "y", "c"), count("g", "y"), count("g", "c")
+    return (n_y - n_yc) - (g_y - g_yc), (n_c - n_yc) - (g_c - g_yc)
+
+
+def _croma_problem(scopes, confounder: str, params: Mapping, view: str, design: str) -> str | None:
+    m = int(params["m"])
+    for scope, part in scopes:
+        so, os_ = _typed_counts(part, confounder)
+        worst = int(min(so.min(), os_.min()))
+        if worst < m:
+            where = f"view {view!r}" + ("" if scope == "dataset" else f", scope {scope!r}")
+            kind = "SO" if so.min() <= os_.min() else "OS"
+            row = int((so if kind == "SO" else os_).argmin())
+            return (f"{where} ({len(part)} rows): CRoMa m={m} needs {m} SO and {m} OS neighbours outside each "
+                    f"row's group, but row {row} of the scope has only {worst} {kind} candidate(s); lower "
+                    f"[metrics.croma] m to at most {worst} or score a larger view")
+    return None
+
+
+# -- APD and nIPD: reductions of the probe sweep ------------------------------------------------------
+def _apd_replicates(acc: np.ndarray, cramers_v, chance):
+    if (acc[0] > 0).all():
+        return (acc[1:] / acc[0]).mean(axis=0) - 1, "percentile over probe replicates"  # the drops APD averages
+    return None, "not available: a replicate's baseline accuracy is not positive"
+
+
+def _nipd_replicates(acc: np.ndarray, cramers_v, chance):
+    """nIPD of every replicate column (the schedule's Cramér's V and the chance level come from
+    the bundle); a replicate whose nIPD is undefined is NaN."""
+    if cramers_v is None or chance is None or len(cramers_v) != acc.shape[0]:
+        return None, "not available: the bundle's Cramér's V / chance level could not be read"
+    out = np.full(acc.shape[1], np.nan)
+    for r in range(acc.shape[1]):  # one tiny matrix per replicate (a sweep has tens of replicates)
+        try:
+            out[r] = nipd(np.ascontiguousarray(acc[:, r : r + 1]), cramers_v, chance)
+        except ValueError:
+            pass
+    return out, "percentile over probe replicates (per-replicate nIPD)"
+
+
+_K_DOC = "candidate window sizes (operating k chosen by kNN balanced accuracy)."
+
+#: The built-in families, in scoring and display order.
+_BUILTIN = (
+    Family(name="ri", label="RI", kind=NEIGHBOUR, value_range=(0.0, 1.0), neutral=0.5, has_support=True,
+           doc="Robustness Index: share of same-label (SO) among the typed neighbours of a cross-group kNN window.",
+           keys={"k_candidates": Key((list,), [5, 11, 21], "RI " + _K_DOC, int_list)},
+           units=lambda s: [{"k_candidates": _k_list(s)}], compute=_ri_compute, record=_ratio_record,
+           replicates=_ratio_replicates, scope_problem=_k_problem("ri")),
+    Family(name="mari", label="MaRI", kind=NEIGHBOUR, value_range=(0.0, 1.0), neutral=0.5, has_support=True,
+           doc="Margin-aware RI: the SO share weighted by exp(-distance / tau).",
+           keys={"k_candidates": Key((list,), [5, 11, 21], "MaRI candidate window sizes.", int_list),
+                 "tau": Key((str, int, float), "auto", "MaRI temperature: 'auto' (median typed distance) or a "
+                                                      "number > 0.", tau),
+                 "warn_tau": Key((bool,), False, "With a pinned tau, run croma's off-scale check (a warning only).")},
+           units=_mari_units, compute=_mari_compute, record=_mari_record, replicates=_ratio_replicates,
+           scope_problem=_k_problem("mari")),
+    Family(name="croma", label="CRoMa", kind=NEIGHBOUR, unit_param="m", margins=True,
+           doc="Confounder-robustness margin: median over units of (mean m nearest OS - mean m nearest SO distance).",
+           keys={"m": Key((list,), [5], "Typed neighbours averaged per unit; one result (one work unit) per m.",
+                          int_list),
+                 "alpha": Key(NUM, 0.10, "Lower-tail level for q_alpha / ltm_alpha.", open_unit),
+                 "start_k": Key((int,), 200, "croma's initial window (recorded; the exact typed search does not "
+                                             "need it).", positive_int),
+                 "k_growth_factor": Key(NUM, 2.0, "croma's window growth factor (recorded, as start_k).", growth)},
+           units=_croma_units, compute=_croma_compute, record=_croma_record, replicates=_croma_replicates,
+           scope_problem=_croma_problem),
+    Family(name="apd", label="APD", kind=PROBE, evaluation_field="apd", replicates=_apd_replicates,
+           doc="Average performance drop of the probe under confounded training splits (0 = none)."),
+    Family(name="nipd", label="nIPD", kind=PROBE, evaluation_field="nipd", replicates=_nipd_replicates,
+           doc="Normalised integrated performance degradation over the Cramér's V grid (0 = none)."),
+)
+
+#: name -> :class:`Family`, in table order (built-ins first, then registered ones).
+FAMILIES: dict[str, Family] = {f.name: f for f in _BUILTIN}
+
+
+def lookup(name) -> Family | None:
+    """The family stored as ``metric = name``, or None."""
+    return FAMILIES.get(str(name)) if not _missing(name) else None
+
+
+def get(name) -> Family:
+    """The family ``name``. Raises ``ValueError`` naming the known ones for an unknown name."""
+    fam = lookup(name)
+    if fam is None:
+        raise ValueError(f"unknown metric family {name!r} (known: {', '.join(FAMILIES)})")
+    return fam
+
+
+def names(kind: str | None = None) -> tuple[str, ...]:
+    """Family names in table order, all or those of ``kind`` (:data:`NEIGHBOUR`, :data:`PROBE`)."""
+    return tuple(n for n, f in FAMILIES.items() if kind is None or f.kind == kind)
+
+
+def order(name) -> int:
+    """Table position of ``name`` (report order); unknown names sort after every family."""
+    return list(FAMILIES).index(str(name)) if lookup(name) is not None else len(FAMILIES)
+
+
+def display(metric, m=None, scope=None) -> str:
+    """Display name of a stored score (``metric`` column, ``m``, probe ``scope``); an unknown or
+    missing metric shows as itself / ``?``."""
+    fam = lookup(metric)
+    if fam is None:
+        return "?" if _missing(metric) else str(metric)
+    return fam.display(m, scope)
+
+
+def register(family: Family) -> Family:
+    """Add ``family`` to the table (after the existing ones). Raises ``ValueError`` when its name is
+    taken or a neighbour family lacks ``units`` / ``compute`` / ``record``."""
+    if family.name in FAMILIES:
+        raise ValueError(f"metric family {family.name!r} is already registered")
+    if family.kind == NEIGHBOUR and None in (family.units, family.compute, family.record):
+        raise ValueError(f"neighbour family {family.name!r} needs units, compute and record")
+    if family.kind not in (NEIGHBOUR, PROBE):
+        raise ValueError(f"family kind must be {NEIGHBOUR!r} or {PROBE!r}, got {family.kind!r}")
+    FAMILIES[family.name] = family
+    return family
+
+
+def unregister(name: str) -> None:
+    """Remove a registered family (built-ins cannot be removed: stored records name them)."""
+    if any(f.name == name for f in _BUILTIN):
+        raise ValueError(f"built-in metric family {name!r} cannot be unregistered")
+    FAMILIES.pop(name, None)
