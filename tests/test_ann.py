@@ -41,8 +41,7 @@ from cachescore.neighbors.normalize import cosine_distance_block, normalize_rows
 from cachescore.neighbors.registry import (
     DEFAULT_AUTO_THRESHOLD,
     choose_backend,
-    get_backend,
-    resolve_backend,
+    in_memory_searcher,
 )
 
 from cachescore.neighbors.exact import cross_group_knn as _exact_cross_group_knn
@@ -286,19 +285,15 @@ def test_validation_errors(kwargs, exc, match):
 
 
 def test_registry_names_and_auto_choice():
-    assert get_backend("ann").cross_group_knn is ann.cross_group_knn_ann
-    assert get_backend("ann").typed_knn is ann.typed_knn_ann
-    assert get_backend("exact").typed_knn is typed_knn
+    assert type(in_memory_searcher({"backend": "ann", "seed": 0, "recall_target": 1.0, "recall_sample": 5})) is ann.AnnSearch
+    assert in_memory_searcher({"backend": "exact"}).typed is typed_knn  # the kernel itself (CRoMa fuses it)
     assert choose_backend(1000, 768) == "exact"
     assert choose_backend(1_000_000, 768) == "ann"
     assert choose_backend(100, 10, threshold=100 * 100 * 10) == "exact"
     assert choose_backend(101, 10, threshold=100 * 100 * 10) == "ann"
-    assert resolve_backend("auto", 10**6, 768).name == "ann"
-    assert resolve_backend("auto", 10, 768, DEFAULT_AUTO_THRESHOLD).name == "exact"
+    assert choose_backend(10, 768, DEFAULT_AUTO_THRESHOLD) == "exact"
     with pytest.raises(ValueError, match="unknown neighbour backend 'faiss'"):
-        get_backend("faiss")
-    with pytest.raises(ValueError, match="unknown neighbour backend"):
-        resolve_backend("fast", 10, 10)
+        in_memory_searcher({"backend": "faiss"})
     with pytest.raises(ValueError, match="threshold must be > 0"):
         choose_backend(10, 10, threshold=0)
 

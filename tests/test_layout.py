@@ -9,6 +9,7 @@ engine (nothing in it submits a neighbour search of its own: the engines live in
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -52,8 +53,53 @@ def test_the_checker_sees_a_circle_and_a_private_import(tmp_path):
     assert "function-local import of cachescore.a" in v
 
 
+def _classes_and_imports(path: Path):
+    import ast
+
+    tree = ast.parse(path.read_text())
+    classes = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]
+    imported = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    return classes, imported
+
+
+#: The neighbour kernels: only engines (in ``neighbors``) and the metrics call them.
+_KERNELS = ("neighbors.exact", "neighbors.typed", "neighbors.ann", "neighbors.blocked", "neighbors.partition",
+            "neighbors.exact_search")
+
+
 def test_pipeline_holds_no_engine():
+    """A rule, not a file list: no module of ``pipeline/`` defines a class with the engine methods
+    (``cross`` and ``typed``) or imports a neighbour kernel; engines come from ``neighbors``
+    (registry, out-of-core engine)."""
     pipeline = ROOT / "src" / "cachescore" / "pipeline"
-    names = sorted(p.name for p in pipeline.glob("*.py"))
-    assert names == ["__init__.py", "cluster.py", "execute.py", "interrupts.py", "plan.py", "probe_unit.py", "prune.py", "status.py",
-                     "unit.py", "validate.py", "watch.py"]
+    for path in sorted(pipeline.glob("*.py")):
+        classes, imported = _classes_and_imports(path)
+        for c in classes:
+            methods = {f.name for f in c.body if hasattr(f, "name")}
+            assert not {"cross", "typed"} <= methods, f"{path.name}: class {c.name} is a neighbour engine"
+        kernels = [m for m in imported if m.lstrip(".").endswith(_KERNELS)]
+        assert not kernels, f"{path.name} imports neighbour kernels {kernels}"
+
+
+#: A family name compared (``== "croma"``, ``in ("ri", "mari")``) or compared against.
+_FAMILY_COMPARISON = re.compile(
+    r"""(==|!=|\bin\b)\s*\(?\s*['"](ri|mari|croma|apd|nipd)['"]|['"](ri|mari|croma|apd|nipd)['"]\s*(==|!=)""")
+
+
+def test_family_names_are_not_compared_outside_the_table():
+    """Issue 23: no module outside ``metrics/`` compares or dispatches on a metric-family name."""
+    pattern = _FAMILY_COMPARISON
+    hits = []
+    for path in (ROOT / "src" / "cachescore").rglob("*.py"):
+        if "metrics" in path.relative_to(ROOT / "src" / "cachescore").parts:
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if pattern.search(line):
+                hits.append(f"{path.name}:{i}: {line.strip()}")
+    assert hits == []
+
+
+def test_the_family_rule_sees_a_comparison(tmp_path):
+    pattern = _FAMILY_COMPARISON
+    assert pattern.search('if metric == "croma":') and pattern.search("x in ('ri', 'mari')")
+    assert not pattern.search('"families": ["ri"]') and not pattern.search("__all__ = ['apd']")

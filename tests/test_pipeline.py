@@ -166,7 +166,7 @@ def test_engine_params_resolve_auto_and_mark_large_scopes():
         "backend": "exact", "engine": OUT_OF_CORE, "seed": 3}
     assert engine_params("ann", scope_rows=2, dim=2, neighbors=dict(nb, auto_threshold=1e30))["backend"] == "ann"
     assert is_out_of_core({"engine": OUT_OF_CORE}) and not is_out_of_core({"backend": "exact"})
-    assert in_memory_searcher({"backend": "exact"}) is None
+    assert type(in_memory_searcher({"backend": "exact"})).__name__ == "ExactSearch"  # no None engine
     assert type(in_memory_searcher({"backend": "ann", "seed": 0, "recall_target": 0.9, "recall_sample": 5})).__name__ == "AnnSearch"
     with pytest.raises(ValueError, match="unknown neighbour backend 'fast'"):
         engine_params("fast", scope_rows=1, dim=1, neighbors=nb)

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .._finite import require_finite
 from .exact import cross_group_knn
 from .normalize import cosine_distance_block
 from .partition import (
@@ -1062,13 +1063,15 @@ class AnnSearch:
         kwargs.setdefault("n_recall_queries", int(self.params["recall_sample"]))
         return kwargs
 
-    def cross(self, *args, **kwargs):
-        r = cross_group_knn_ann_with_recall(*args, **self._options(kwargs))
+    def cross(self, u, *args, **kwargs):
+        require_finite(u)
+        r = cross_group_knn_ann_with_recall(u, *args, **self._options(kwargs))
         self.recalls.append(float(r.recall))
         return r.idx, r.dist
 
-    def typed(self, *args, **kwargs):
-        r = typed_knn_ann_with_recall(*args, **self._options(kwargs))
+    def typed(self, u, *args, **kwargs):
+        require_finite(u)
+        r = typed_knn_ann_with_recall(u, *args, **self._options(kwargs))
         self.recalls.append(float(r.recall))
         return r.so_dist, r.os_dist
 

@@ -56,6 +56,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
+from .._finite import require_finite
 from .normalize import cosine_distance_block
 
 __all__ = ["cross_group_knn", "farthest_rows", "default_block_sizes", "search_flops"]
@@ -358,11 +359,14 @@ def cross_group_knn(
     ------
     ValueError
         ``u`` not 2-D, ``groups`` of the wrong length, ``kmax <= 0``, block sizes ``<= 0``,
-        ``rows`` not a slice of step 1, ``n_threads <= 0``.
+        ``rows`` not a slice of step 1, ``n_threads <= 0``; a row holding NaN or ±inf (whole-scope
+        calls; ``rows=`` calls are blocks of a search whose caller checked ``u``).
     TypeError
         ``u`` not float32/float64.
     """
     u, groups = _check_inputs(u, groups, kmax)
+    if rows is None:  # the whole-scope search (a rows= call is one block of a checked search)
+        require_finite(u)
     n = u.shape[0]
     k = int(kmax)
     for b in (block_rows, block_cols):

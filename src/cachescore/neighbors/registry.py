@@ -7,11 +7,9 @@ searched out of core (:mod:`cachescore.neighbors.large_scope`) with the resolved
 exactness. The planner calls :func:`engine_params` (what a unit's fingerprinted parameters say
 about its engine); the runner calls :func:`is_out_of_core` and :func:`in_memory_searcher`.
 
-Every backend provides the same two functions with the same return contracts, so the metrics never
-branch on the backend:
-
-* ``cross_group_knn(u, groups, kmax) -> (idx, dist)``  (n, kmax) int64 / float64, (-1, +inf) padded;
-* ``typed_knn(u, labels, confounders, groups, m) -> (so_dist, os_dist)``  (n, m) float64.
+Every engine is a :class:`~.base.Searcher` (``cross`` / ``typed`` with the same return contracts,
+``recall``, ``details``), so the metrics never branch on the engine; ``tests/test_engine_conformance.py``
+runs one suite over all of them.
 
 Backend modules are imported on first use, so importing the registry is cheap and does not pull in
 numba.
@@ -20,16 +18,11 @@ numba.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
-from typing import Callable
 
 __all__ = [
     "BACKEND_NAMES",
     "DEFAULT_AUTO_THRESHOLD",
-    "Backend",
     "choose_backend",
-    "get_backend",
-    "resolve_backend",
     "OUT_OF_CORE",
     "engine_params",
     "is_out_of_core",
@@ -53,41 +46,13 @@ BACKEND_NAMES = ("exact", "ann", "auto")
 #: 32–44 s.)
 DEFAULT_AUTO_THRESHOLD = 1.2e12
 
-# name -> (module, cross-group function, typed function), relative to this package
-_TABLE = {
-    "exact": (("exact", "cross_group_knn"), ("typed", "typed_knn")),
-    "ann": (("ann", "cross_group_knn_ann"), ("ann", "typed_knn_ann")),
-}
+#: The in-memory engines by resolved backend name: (module, class), relative to this package; each
+#: class is built from a unit's parameters (``ExactSearch()`` takes none).
+_ENGINES = {"exact": ("exact_search", "ExactSearch"), "ann": ("ann", "AnnSearch")}
 
 
-@dataclass(frozen=True, kw_only=True)
-class Backend:
-    """One neighbour backend: its ``name`` and its two search functions (contracts above)."""
-
-    name: str
-    cross_group_knn: Callable
-    typed_knn: Callable
-
-
-def _load(module: str, attr: str) -> Callable:
+def _load(module: str, attr: str):
     return getattr(importlib.import_module(f"{__package__}.{module}"), attr)
-
-
-def get_backend(name: str) -> Backend:
-    """The backend registered as ``name`` (``"exact"`` or ``"ann"``).
-
-    Raises
-    ------
-    ValueError
-        Unknown name (``"auto"`` must first be resolved with :func:`resolve_backend`).
-    """
-    if name not in _TABLE:
-        raise ValueError(
-            f"unknown neighbour backend {name!r}; expected one of {sorted(_TABLE)} "
-            f"(resolve 'auto' with resolve_backend(name, n, d))"
-        )
-    (m1, f1), (m2, f2) = _TABLE[name]
-    return Backend(name=name, cross_group_knn=_load(m1, f1), typed_knn=_load(m2, f2))
 
 
 def choose_backend(n: int, d: int, threshold: float = DEFAULT_AUTO_THRESHOLD) -> str:
@@ -105,22 +70,6 @@ def choose_backend(n: int, d: int, threshold: float = DEFAULT_AUTO_THRESHOLD) ->
     if not threshold > 0:
         raise ValueError(f"threshold must be > 0, got {threshold}")
     return "exact" if float(n) * float(n) * float(d) <= threshold else "ann"
-
-
-def resolve_backend(name: str, n: int, d: int, threshold: float = DEFAULT_AUTO_THRESHOLD) -> Backend:
-    """The backend to use for a scope of ``n`` rows × ``d``: ``name`` itself, or for ``"auto"``
-    the one :func:`choose_backend` picks.
-
-    Raises
-    ------
-    ValueError
-        ``name`` not in :data:`BACKEND_NAMES`.
-    """
-    if name not in BACKEND_NAMES:
-        raise ValueError(f"unknown neighbour backend {name!r}; expected one of {list(BACKEND_NAMES)}")
-    if name == "auto":
-        name = choose_backend(n, d, threshold)
-    return get_backend(name)
 
 
 def engine_params(backend: str, *, scope_rows: int, dim: int, neighbors: dict) -> dict:
@@ -154,8 +103,7 @@ def in_memory_searcher(params: dict):
     ``backend = "ann"``, :class:`~.exact_search.ExactSearch` for ``exact`` (the metrics' own exact
     kernels, CRoMa's schedule diagnostics included). Raises ``ValueError`` for an unknown backend."""
     backend = params.get("backend", "exact")
-    if backend == "exact":
-        return _load("exact_search", "ExactSearch")()
-    if backend == "ann":
-        return _load("ann", "AnnSearch")(params)
-    raise ValueError(f"unknown neighbour backend {backend!r} in unit parameters; expected one of {sorted(_TABLE)}")
+    if backend not in _ENGINES:
+        raise ValueError(f"unknown neighbour backend {backend!r} in unit parameters; expected one of {sorted(_ENGINES)}")
+    engine = _load(*_ENGINES[backend])
+    return engine() if backend == "exact" else engine(params)

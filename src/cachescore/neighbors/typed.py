@@ -65,6 +65,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .._finite import require_finite
 from .._threads import shared_blas_pin
 
 __all__ = [
@@ -103,6 +104,7 @@ def _check_inputs(u, labels, confounders, groups):
     u = np.asarray(u)
     if u.ndim != 2:
         raise ValueError(f"u must be a 2-D array of normalised rows (n, d), got {u.ndim}-D")
+    require_finite(u)
     n = u.shape[0]
     arrays = []
     for name, a in (("labels", labels), ("confounders", confounders), ("groups", groups)):
