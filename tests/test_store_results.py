@@ -20,7 +20,7 @@ import pyarrow as pa
 import pytest
 
 from cachescore.store import FAILURES_SCHEMA, SCORES_SCHEMA, CorruptRecordError, ResultsStore, StoreError, fingerprint
-from cachescore.store import atomic as atomic_mod
+from cachescore import _atomic as atomic_mod
 from cachescore.store import results as results_mod
 
 

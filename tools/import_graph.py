@@ -37,7 +37,8 @@ DEFERRED = ("numba", "pynndescent", "bokeh", "h5py", "croma", "torch", "matplotl
 
 #: Layer order, lowest first: a package may import only packages at its own level or below.
 LAYERS = [
-    {"_version", "_finite", "_jsonsafe", "_hashing", "_threads", "_taskkeys", "_warncapture", "types", "errors"},
+    {"_version", "_finite", "_jsonsafe", "_hashing", "_threads", "_taskkeys", "_warncapture", "_keys", "_atomic", "types",
+     "errors"},
     {"fingerprint", "manifest"},
     {"store", "alignment"},
     {"cache"},

@@ -35,7 +35,6 @@ import json
 import os
 import signal
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -54,13 +53,13 @@ from .pipeline.status import damaged_units
 from .pipeline.execute import build_results
 from .pipeline.prune import prune_store
 from .pipeline.validate import refuse_invalid, validate_plan
-from .store import CorruptRecordError, ResultsStore
+from .store import REPORT_FILE, CorruptRecordError, ResultsStore, is_store
 from .store.lock import StoreLock, process_alive
 from .store.verify import verify_store
 from .pipeline.watch import watch_job
 from .report import build_report
 from .results import compare_encoders, export_tables, read_scores
-from .store.atomic import atomic_write_bytes
+from ._atomic import atomic_write_bytes
 
 __all__ = ["main", "build_parser", "format_table", "DEMO_JOB"]
 
@@ -297,8 +296,9 @@ def _cmd_status(args) -> int:
     if not Path(job.cache).is_dir():
         print(f"cache not found: {job.cache} (run: cachescore run {args.job})", file=sys.stderr)
         return 2
-    store = ResultsStore(job.store)
-    for stale in store.mark_stale_runs():  # a run killed by SIGKILL could not say so itself
+    store = ResultsStore.open(job.store)  # reads only: works on a read-only store, creates nothing
+    marker = ResultsStore.create if is_store(job.store) and os.access(job.store, os.W_OK) else None
+    for stale in (marker(job.store).mark_stale_runs() if marker else []):  # a SIGKILLed run could not say so
         print(f"run {stale} ended without finishing (its process is gone): marked 'interrupted'", file=sys.stderr)
     rows = _with_scores(unit_status(job, store=store), job)
     problems = verify_cache(Cache(job.cache)) if args.verify else []
@@ -341,11 +341,10 @@ def _cmd_validate(args) -> int:
     if not Path(job.cache).is_dir():
         print(f"cache not found: {job.cache}", file=sys.stderr)
         return 2
-    with tempfile.TemporaryDirectory(prefix="cachescore-validate-") as empty:  # never creates the job's store
-        store = ResultsStore(job.store) if (Path(job.store) / "store.json").is_file() else ResultsStore(empty)
-        plan = plan_job(job, store=store)
-        checks = validate_plan(plan)
-        refused = refuse_invalid(plan, checks)
+    store = ResultsStore.open(job.store)  # read-only: validate creates nothing
+    plan = plan_job(job, store=store)
+    checks = validate_plan(plan)
+    refused = refuse_invalid(plan, checks)
     done = {u.fingerprint for u in plan.done}
     rows = [{"encoder": u.encoder, "view": u.view, "design": u.design, "metric": u.metric,
              "state": "up to date" if u.fingerprint in done else "to run"} for u in refused.pending + refused.done]
@@ -367,7 +366,7 @@ def _cmd_validate(args) -> int:
 
 def _cmd_compare(args) -> int:
     job = load_job(args.job)
-    store = ResultsStore(job.store)
+    store = ResultsStore.open(job.store)
     plan = plan_job(job, store=store)
     if _refuse_damaged(args.job, plan, store):
         return 2
@@ -412,7 +411,7 @@ def _cmd_prune(args) -> int:
 
 def _cmd_export(args) -> int:
     job = load_job(args.job)
-    store = ResultsStore(job.store)
+    store = ResultsStore.open(job.store)
     plan = plan_job(job, store=store)
     if _refuse_damaged(args.job, plan, store):
         return 2
@@ -491,10 +490,10 @@ def _cmd_demo(args) -> int:
 
 def _cmd_report(args) -> int:
     job = load_job(args.job)
-    out = Path(args.out) if args.out else Path(job.store) / "report.html"
+    out = Path(args.out) if args.out else Path(job.store) / REPORT_FILE
     cache = Cache(job.cache) if Path(job.cache).is_dir() else None
-    if cache is not None and (Path(job.store) / "store.json").is_file():
-        store = ResultsStore(job.store)
+    if cache is not None and is_store(job.store):
+        store = ResultsStore.open(job.store)
         if _refuse_damaged(args.job, plan_job(job, cache=cache, store=store), store):
             return 2
     path = build_report(job.store, out, cache=cache)

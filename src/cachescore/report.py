@@ -46,10 +46,10 @@ import pandas as pd
 
 from .cache import Cache, CacheError
 from .metrics import families
-from .store import CorruptRecordError, ResultsStore
+from .store import CENTRES_FILE, PROBE_FILE, SCORES_FILE, CorruptRecordError, ResultsStore, is_store
 from .report_figures import accuracy_curve_svg, centre_bars_svg, ecdf_svg, forest_svg, metric_axis, reliability_svg
 from .results.bundles import bundle_facts
-from .store.atomic import atomic_write_bytes
+from ._atomic import atomic_write_bytes
 
 __all__ = ["build_report"]
 
@@ -691,11 +691,11 @@ def build_report(store_path, out_html, *, cache=None, bins: int = HIST_BINS) -> 
     """
 
     store_path, out_html = Path(store_path), Path(out_html)
-    if not (store_path / "store.json").is_file():
+    if not is_store(store_path):
         raise FileNotFoundError(f"no results store at {store_path} (no store.json); run `cachescore run JOB` first")
     if not isinstance(bins, (int, np.integer)) or isinstance(bins, bool) or bins < 1:
         raise ValueError(f"bins must be a positive int, got {bins!r}")
-    store = ResultsStore(store_path)
+    store = ResultsStore.open(store_path)
     scores = store.scores()
     failures = store.failures()
     damaged = store.damaged(sorted(store.stored_fingerprints()))
@@ -703,10 +703,10 @@ def build_report(store_path, out_html, *, cache=None, bins: int = HIST_BINS) -> 
     generated = datetime.now(timezone.utc).isoformat(timespec="seconds")
     n_enc = scores["encoder"].nunique() if not scores.empty else 0
     n_view = scores["view"].nunique() if not scores.empty else 0
-    tidy, probe = _tidy(store_path, "scores.parquet"), _tidy(store_path, "probe.parquet")
+    tidy, probe = _tidy(store_path, SCORES_FILE), _tidy(store_path, PROBE_FILE)
     sections = [("overview", "Overview", _overview_html(tidy)),
                 ("forest", "Scores with uncertainty", _forest_html(tidy)),
-                ("probe", "Probe sweep", _probe_html(store, probe, tidy, _tidy(store_path, "probe_centres.parquet"))),
+                ("probe", "Probe sweep", _probe_html(store, probe, tidy, _tidy(store_path, CENTRES_FILE))),
                 ("margins", "CRoMa margins", _margins_html(store, tidy)),
                 ("leaderboards", "Leaderboards", _leaderboard_html(groups)),
                 ("distributions", "Per-unit distributions", _distributions_html(store, groups, int(bins))),

@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..manifest import coerce_manifest
-from ..store.atomic import atomic_replace_dir
+from .._atomic import atomic_replace_dir
 from .errors import AlignmentError, CacheError, CacheNotFoundError, LayoutError
 from .layout import FLOAT_DTYPES, check_name, embeddings_dir, tiles_path, view_sidecar_path
 from .reader import Cache

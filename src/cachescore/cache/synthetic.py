@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 
 from .._threads import single_thread_blas
-from ..store.atomic import atomic_write_json
+from .._atomic import atomic_write_json
 from .writer import write_embeddings, write_embeddings_blocks, write_tileset, write_view
 
 __all__ = ["make_demo_cache", "DEMO_TILESET", "DEMO_VIEWS", "make_scale_cache", "SCALE_TILESET", "SCALE_VIEWS"]

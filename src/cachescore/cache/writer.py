@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .._finite import nonfinite_rows
-from ..store.atomic import (
+from .._atomic import (
     PARTIAL_SUFFIX,
     atomic_replace_dir,
     atomic_write,

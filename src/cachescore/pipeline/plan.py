@@ -251,7 +251,7 @@ def plan_job(job: Job, *, cache=None, store=None) -> Plan:
         The cache folder does not exist.
     """
     cache = Cache(job.cache) if cache is None else cache
-    store = ResultsStore(job.store) if store is None else store
+    store = ResultsStore.open(job.store) if store is None else store  # planning only reads
 
     all_encoders, all_views = cache.encoders(), cache.views()
     for kind, asked, have in (("encoder", job.encoders, all_encoders), ("view", job.views, all_views)):

@@ -128,7 +128,7 @@ def unit_status(job, *, cache=None, store=None) -> list[dict]:
     Raises what :func:`~.plan.plan_job` raises for job-level problems (missing cache, unknown
     encoder or view).
     """
-    store = ResultsStore(job.store) if store is None else store
+    store = ResultsStore.open(job.store) if store is None else store
     plan = plan_job(job, cache=cache, store=store)
     index = StoreIndex(store)
     damaged = {d["fingerprint"]: d["problem"] for d in damaged_units(plan, store)}
@@ -164,7 +164,7 @@ def pending_reasons(plan, *, store=None) -> list[dict]:
     (comma-joined when several), ``params changed``, ``never scored``, or ``failed before: <error>``
     (the same fingerprint failed in an earlier run: its inputs did not change).
     """
-    store = ResultsStore(plan.job.store) if store is None else store
+    store = ResultsStore.open(plan.job.store) if store is None else store
     index = StoreIndex(store)
     out = []
     for u in plan.pending:

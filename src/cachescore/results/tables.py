@@ -10,14 +10,11 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..store.atomic import atomic_write, atomic_write_bytes
+from .._atomic import atomic_write, atomic_write_bytes
+from ..store.results import CENTRES_FILE, PROBE_FILE, SCORES_FILE  # the store's file names
 
 __all__ = ["SCORES_FILE", "PROBE_FILE", "CENTRES_FILE", "EXPORT_FORMATS", "publish_tables", "export_tables", "read_scores"]
 
-#: File names of the tidy tables in a results store.
-SCORES_FILE = "scores.parquet"
-PROBE_FILE = "probe.parquet"
-CENTRES_FILE = "probe_centres.parquet"
 #: Formats ``cachescore export`` writes.
 EXPORT_FORMATS = ("parquet", "csv", "json")
 

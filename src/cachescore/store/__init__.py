@@ -5,8 +5,19 @@ Public names: :func:`fingerprint` (sha256 of canonical JSON), :class:`ResultsSto
 """
 
 from ..fingerprint import canonical_json, fingerprint
-from .results import CorruptRecordError, ResultsStore, StoreError
+from .results import (
+    CENTRES_FILE,
+    PROBE_FILE,
+    REPORT_FILE,
+    SCORES_FILE,
+    STORE_MARKER,
+    CorruptRecordError,
+    ResultsStore,
+    StoreError,
+    is_store,
+)
 from .schema import FAILURES_SCHEMA, SCORES_SCHEMA
 
 __all__ = ["fingerprint", "canonical_json", "ResultsStore", "StoreError", "CorruptRecordError",
-           "SCORES_SCHEMA", "FAILURES_SCHEMA"]
+           "SCORES_SCHEMA", "FAILURES_SCHEMA", "STORE_MARKER", "SCORES_FILE", "PROBE_FILE", "CENTRES_FILE",
+           "REPORT_FILE", "is_store"]

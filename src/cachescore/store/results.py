@@ -41,7 +41,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .._jsonsafe import json_safe
-from .atomic import atomic_write, atomic_write_json, sweep_partials
+from .._atomic import atomic_write, atomic_write_json, sweep_partials
 from .lock import process_alive
 from .schema import (
     FAILURES_SCHEMA,
@@ -54,7 +54,20 @@ from .schema import (
     utc_now,
 )
 
-__all__ = ["ResultsStore", "StoreError", "CorruptRecordError", "StoreWriteError"]
+__all__ = ["ResultsStore", "StoreError", "CorruptRecordError", "StoreWriteError", "STORE_MARKER", "SCORES_FILE",
+           "PROBE_FILE", "CENTRES_FILE", "REPORT_FILE", "is_store"]
+
+#: The files of a store's top level (the one place they are spelled; README "Reading results").
+STORE_MARKER = "store.json"
+SCORES_FILE = "scores.parquet"
+PROBE_FILE = "probe.parquet"
+CENTRES_FILE = "probe_centres.parquet"
+REPORT_FILE = "report.html"
+
+
+def is_store(path) -> bool:
+    """Whether ``path`` holds a results store (its :data:`STORE_MARKER`); reads only."""
+    return (Path(path) / STORE_MARKER).is_file()
 
 _FP = re.compile(r"\A[0-9a-f]{16,128}\Z")
 _RUN = re.compile(r"\A[A-Za-z0-9_][A-Za-z0-9_.:+=@-]*\Z")
@@ -78,20 +91,30 @@ class CorruptRecordError(KeyError):
 
 
 class ResultsStore:
-    """A results store folder (created if missing). See the module docstring for the layout.
+    """A results store folder. See the module docstring for the layout.
 
     Parameters
     ----------
     path : str or Path
         The store folder. An existing non-empty folder must carry this store's ``store.json``.
+    mode : ``"a"`` (default) or ``"r"``
+        ``"a"``: read and write; the folder and ``store.json`` are created if missing. ``"r"``:
+        never writes anything (a missing store reads as empty; the write methods raise
+        :class:`StoreError`): what ``status``, ``report``, ``export``, ``compare`` and ``validate``
+        use, so they work on a read-only mount and create nothing. Zarr-style
+        :meth:`open` / :meth:`create` name the two.
     """
 
-    def __init__(self, path):
+    def __init__(self, path, mode: str = "a"):
+        if mode not in ("r", "a"):
+            raise ValueError(f"store mode must be 'r' (read only) or 'a' (read and write, created if missing), got {mode!r}")
         self.path = Path(path)
-        marker = self.path / "store.json"
+        self.read_only = mode == "r"
+        marker = self.path / STORE_MARKER
         if self.path.exists() and not self.path.is_dir():
             raise StoreError(f"results store path {self.path} exists and is not a folder")
-        self.path.mkdir(parents=True, exist_ok=True)
+        if not self.read_only:
+            self.path.mkdir(parents=True, exist_ok=True)
         if marker.is_file():
             try:
                 meta = json.loads(marker.read_text(encoding="utf-8"))
@@ -102,13 +125,29 @@ class ResultsStore:
             if meta.get("version") != STORE_LAYOUT_VERSION:
                 raise StoreError(f"{self.path}: store layout version {meta.get('version')!r} is not supported "
                                  f"(this cachescore writes version {STORE_LAYOUT_VERSION}); use a new store folder")
-        else:
+        elif self.path.is_dir():
             if any(p.name not in ("units", "failures", "runs") and not p.name.startswith(".") for p in self.path.iterdir()):
                 raise StoreError(f"{self.path} is not empty and has no store.json: refusing to use it as a results store")
-            try:
-                atomic_write_json(marker, _STORE_META, overwrite=False)
-            except FileExistsError:
-                pass  # another process created it meanwhile
+            if not self.read_only:
+                try:
+                    atomic_write_json(marker, _STORE_META, overwrite=False)
+                except FileExistsError:
+                    pass  # another process created it meanwhile
+
+    @classmethod
+    def open(cls, path, mode: str = "r") -> "ResultsStore":
+        """Open the store at ``path``: ``mode="r"`` never writes (a missing store reads as empty,
+        every write method raises :class:`StoreError`), ``"a"`` creates it if missing."""
+        return cls(path, mode)
+
+    @classmethod
+    def create(cls, path) -> "ResultsStore":
+        """The store at ``path`` for reading and writing, created (folder and ``store.json``) if missing."""
+        return cls(path, "a")
+
+    def _writable(self) -> None:
+        if self.read_only:
+            raise StoreError(f"{self.path}: the results store was opened read-only (mode='r'); nothing is written")
 
     def __repr__(self) -> str:
         return f"ResultsStore({str(self.path)!r})"
@@ -313,6 +352,7 @@ class ResultsStore:
         :class:`StoreWriteError` (an ``OSError`` naming the file that could not be written: disk
         full, read-only store; nothing is published and no new file is left behind).
         """
+        self._writable()
         self._check_fp(fp)
         if not isinstance(record, dict):
             raise TypeError(f"record must be a dict, got {type(record).__name__}")
@@ -355,6 +395,7 @@ class ResultsStore:
     def record_failure(self, fp: str, *, unit: dict, error: str) -> None:
         """Record that unit ``fp`` failed with ``error``; a later :meth:`write_unit` supersedes it.
         A failure never hides an existing success (it is listed only while ``has(fp)`` is False)."""
+        self._writable()
         self._check_fp(fp)
         if not isinstance(unit, dict):
             raise TypeError(f"unit must be a dict, got {type(unit).__name__}")
@@ -380,6 +421,7 @@ class ResultsStore:
         """Remove a stored unit: its envelope first (the key disappears at once, readers then
         ignore the rest), then every per-unit table written for it. Returns the bytes freed;
         missing files are not an error."""
+        self._writable()
         env_path = self._unit_json(self._check_fp(fp))
         freed = env_path.stat().st_size if env_path.is_file() else 0
         env_path.unlink(missing_ok=True)
@@ -391,6 +433,7 @@ class ResultsStore:
     def clear_failure(self, fp: str) -> None:
         """Forget a recorded failure of ``fp`` (for units whose success is stored under other
         fingerprints, e.g. a probe unit's per-record results). Missing is not an error."""
+        self._writable()
         self._failure_json(self._check_fp(fp)).unlink(missing_ok=True)
 
     # -- runs ---------------------------------------------------------------------------------
@@ -402,6 +445,7 @@ class ResultsStore:
 
     def run_dir(self, run_id: str) -> Path:
         """``runs/<run_id>/`` (created): where provenance and the Dask performance report go."""
+        self._writable()
         path = self.path / "runs" / self._check_run(run_id)
         path.mkdir(parents=True, exist_ok=True)
         return path
@@ -409,6 +453,7 @@ class ResultsStore:
     def write_provenance(self, run_id: str, info: dict) -> Path:
         """Atomically write ``runs/<run_id>/provenance.json`` (replacing an earlier version for the
         same run, e.g. start then finish). ``info`` must be JSON-able (numpy accepted)."""
+        self._writable()
         if not isinstance(info, dict):
             raise TypeError(f"info must be a dict, got {type(info).__name__}")
         return atomic_write_json(self.run_dir(run_id) / "provenance.json", json_safe(info, nonfinite="string"), overwrite=True)
@@ -419,6 +464,7 @@ class ResultsStore:
         ``running`` version it replaces, so no new blocks are needed). Not atomic: a crash midway can
         leave a torn file, which readers report (``status --verify``) instead of a run that seems
         to run forever."""
+        self._writable()
         path = self.path / "runs" / self._check_run(run_id) / "provenance.json"
         data = (json.dumps(json_safe(info, nonfinite="string"), indent=1, sort_keys=True) + "\n").encode("utf-8")
         fd = os.open(path, os.O_WRONLY)
@@ -441,7 +487,9 @@ class ResultsStore:
         """Rewrite the provenance of every run that says ``running`` but whose process (its
         ``process``: host, pid, start time) is gone on this host as ``interrupted`` (a run killed
         by SIGKILL or a crash could write nothing). Returns those run ids; runs of other hosts
-        and unwritable stores are left as they are."""
+        and unwritable stores (or one opened read-only) are left as they are."""
+        if self.read_only:
+            return []
         marked = []
         for run_id in self.runs():
             try:
@@ -468,6 +516,7 @@ class ResultsStore:
     def sweep(self, *, older_than_s: float = 3600.0) -> int:
         """Delete leftovers of crashed writers (``*.partial``) and per-unit tables no envelope
         references, older than ``older_than_s``; return how many were removed."""
+        self._writable()
         removed = sweep_partials(self.path, older_than_s=older_than_s)
         base = self.path / "units"
         if base.is_dir():

@@ -24,7 +24,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .atomic import PARTIAL_SUFFIX
+from .._atomic import PARTIAL_SUFFIX
 from .lock import LOCK_NAME, StoreLock, lock_file_problem, process_alive
 from .results import _FP, ResultsStore
 

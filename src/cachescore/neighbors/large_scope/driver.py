@@ -16,7 +16,7 @@ from distributed import Lock
 
 from ..._taskkeys import task_key
 from ...cache import Cache
-from ...store.atomic import atomic_write, atomic_write_json, partial_path
+from ..._atomic import atomic_write, atomic_write_json, partial_path
 from ..blocked import gather_or_cancel
 from ..fetch import is_capped
 from ..normalize import compute_dtype

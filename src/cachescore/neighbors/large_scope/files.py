@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from ...fingerprint import fingerprint
-from ...store.atomic import atomic_write
+from ..._atomic import atomic_write
 
 #: Embedding bytes per partition chunk (DESIGN §2: row chunks of ~64–256 MiB).
 CHUNK_BYTES = 128 * 2**20

@@ -12,7 +12,7 @@ import numpy as np
 from ..._finite import nonfinite_rows
 from ..._threads import single_thread_blas
 from ...cache import Cache
-from ...store.atomic import atomic_write
+from ..._atomic import atomic_write
 from ..normalize import normalize_rows
 from ..partition import (
     assign_clusters,
