@@ -57,14 +57,14 @@ def test_job_errors_exit_2(tmp_path, capsys):
 
 @pytest.mark.slow  # ~30 s: the whole shipped demo (28 units incl. 4 probe sweeps) on a LocalCluster
 def test_demo_job_ranks_encoders_as_constructed(tmp_path, capsys, monkeypatch):
-    import cachescore.pipeline.execute as execute_mod
+    import cachescore.pipeline.run as run_mod
 
     (tmp_path / "jobs").mkdir()
     job_path = tmp_path / "jobs" / "demo.toml"
     shutil.copy(REPO / "jobs" / "demo.toml", job_path)
     plans = []
-    real_plan = execute_mod.plan_job
-    monkeypatch.setattr(execute_mod, "plan_job", lambda job, **kw: plans.append(job.name) or real_plan(job, **kw))
+    real_plan = run_mod.plan_job
+    monkeypatch.setattr(run_mod, "plan_job", lambda job, **kw: plans.append(job.name) or real_plan(job, **kw))
     assert main(["run", str(job_path)]) == 0
     assert plans == ["demo"]  # `run` plans the job once: the run's plan also serves the leaderboard
     cap = capsys.readouterr()

@@ -85,7 +85,7 @@ def test_an_owned_cluster_is_quieted_before_teardown_and_an_external_one_is_not(
 
     from distributed import Client, LocalCluster
 
-    from cachescore.pipeline.execute import _quiet_owned_cluster, _restore_logs
+    from cachescore.pipeline.logs import quiet_owned_cluster, restore_logs
 
     def worker_level():
         return logging.getLogger("distributed.worker").getEffectiveLevel()
@@ -95,12 +95,12 @@ def test_an_owned_cluster_is_quieted_before_teardown_and_an_external_one_is_not(
                       host="127.0.0.1") as cluster:
         with Client(cluster.scheduler_address, set_as_default=False) as external:
             assert external.cluster is None
-            _quiet_owned_cluster(external)
+            quiet_owned_cluster(external)
             assert worker_level() == before
             assert set(external.run(worker_level).values()) == {before}
         with Client(cluster, set_as_default=False) as owned:
-            _quiet_owned_cluster(owned)
+            quiet_owned_cluster(owned)
             assert worker_level() == logging.CRITICAL
             assert set(owned.run(worker_level).values()) == {logging.CRITICAL}
-    _restore_logs()
+    restore_logs()
     assert worker_level() == before

@@ -103,3 +103,44 @@ def test_the_family_rule_sees_a_comparison(tmp_path):
     pattern = _FAMILY_COMPARISON
     assert pattern.search('if metric == "croma":') and pattern.search("x in ('ri', 'mari')")
     assert not pattern.search('"families": ["ri"]') and not pattern.search("__all__ = ['apd']")
+
+
+SRC = ROOT / "src" / "cachescore"
+#: Issue 23's size rules: the god-module stays split, pipeline functions stay readable.
+_EXECUTE_MAX_LINES = 300
+_PIPELINE_MAX_FUNCTION_LINES = 60
+_PIPELINE_MAX_COMPLEXITY = 15
+_SRC_MAX_COMPLEXITY = 30
+
+
+def _measure(text: str):
+    """``(name, lines, cyclomatic complexity)`` of every function and method in ``text`` (radon)."""
+    from radon.complexity import cc_visit
+
+    for b in cc_visit(text):  # functions, classes and (again, flat) their methods
+        if b.letter in ("F", "M"):
+            yield b.name, b.endline - b.lineno + 1, b.complexity
+
+
+def test_size_rules_hold():
+    """``pipeline/execute.py`` ≤ 300 lines; no ``pipeline/`` function longer than 60 lines or of
+    cyclomatic complexity above 15; no function in ``src/`` above 30 (radon)."""
+    assert len((SRC / "pipeline" / "execute.py").read_text().splitlines()) <= _EXECUTE_MAX_LINES
+    long, complex_pipeline, complex_src = [], [], []
+    for path in sorted(SRC.rglob("*.py")):
+        in_pipeline = path.parent.name == "pipeline"
+        for name, lines, cc in _measure(path.read_text()):
+            where = f"{path.relative_to(SRC)}:{name}"
+            if in_pipeline and lines > _PIPELINE_MAX_FUNCTION_LINES:
+                long.append((where, lines))
+            if in_pipeline and cc > _PIPELINE_MAX_COMPLEXITY:
+                complex_pipeline.append((where, cc))
+            if cc > _SRC_MAX_COMPLEXITY:
+                complex_src.append((where, cc))
+    assert long == [] and complex_pipeline == [] and complex_src == []
+
+
+def test_the_size_rules_see_a_long_complex_method():
+    body = "".join(f"        if x == {i}:\n            return {i}\n" for i in range(40))
+    [(name, lines, cc)] = list(_measure("class C:\n    def f(self, x):\n" + body))
+    assert name == "f" and lines > _PIPELINE_MAX_FUNCTION_LINES and cc > _SRC_MAX_COMPLEXITY

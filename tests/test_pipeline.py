@@ -318,7 +318,7 @@ def test_an_early_end_counts_units_the_workers_stored_before_it(tmp_path, demo_c
     """A worker writes a unit's record before the client fetches the unit's result: when the run
     ends early in between, the summary and the provenance count that unit as done, not as not
     run (the next run's plan skips it)."""
-    from cachescore.pipeline.execute import _settle_from_store
+    from cachescore.pipeline.run import _settle_from_store
 
     job = make_job(tmp_path, demo_cache)
     plan = plan_job(job)
@@ -329,7 +329,7 @@ def test_an_early_end_counts_units_the_workers_stored_before_it(tmp_path, demo_c
     ended = {plan.pending[0].fingerprint: {"status": "done"}}  # the one result this process fetched
     _settle_from_store(plan, ResultsStore(job.store), ended)
     assert set(ended) == {u.fingerprint for u in plan.pending[:3]}
-    assert all(ended[u.fingerprint]["status"] == "done" and ended[u.fingerprint]["label"] == u.label
+    assert all(ended[u.fingerprint].status == "done" and ended[u.fingerprint].label == u.label
                for u in plan.pending[1:3])
     assert len(plan_job(job).pending) == len(plan.pending) - 3
 

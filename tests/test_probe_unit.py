@@ -390,13 +390,13 @@ def test_run_and_store_skips_done_units_and_records_failures(cache, params, unit
     store = ResultsStore(tmp_path / "store")
     spy = FitSpy(monkeypatch)
     first = run_probe_and_store(cache.root, store, "enc", "v", params, bundle_root=bundles, run_id="r1")
-    assert first["status"] == "done" and probe_unit_done(store, first["fingerprint"], params)
+    assert first.status == "done" and probe_unit_done(store, first.fingerprint, params)
     second = run_probe_and_store(cache.root, store, "enc", "v", params, bundle_root=bundles)
-    assert second["status"] == "skipped" and spy.calls == 0
+    assert second.status == "skipped" and spy.calls == 0
 
     bad = {**RAW, "class_order": ["normal"]}
     failed = run_probe_and_store(cache.root, store, "enc", "v", bad, bundle_root=bundles, run_id="r1")
-    assert failed["status"] == "failed" and "ProbeParamsError" in failed["error"] and spy.calls == 0
+    assert failed.status == "failed" and "ProbeParamsError" in failed.error and spy.calls == 0
     failures = store.failures()
-    assert sorted(failures["fingerprint"]) == sorted(failed["records"])
+    assert sorted(failures["fingerprint"]) == sorted(failed.records)
     assert set(failures["metric"]) == {"apd", "nipd"} and "not in the class_order" in failures["error"].iloc[0]

@@ -217,7 +217,8 @@ def test_self_resubmitting_rescore_runs_once_with_every_zero(slurm, tmp_path):
 def test_maximum_jobs_follows_the_plan_and_the_kind(tmp_path):
     from cachescore.jobs import parse_job
     from cachescore.pipeline import plan_job
-    from cachescore.pipeline.execute import ensure_demo_cache, maximum_jobs, plan_parallelism
+    from cachescore.pipeline.cluster import maximum_jobs, plan_parallelism
+    from cachescore.pipeline.run import ensure_demo_cache
 
     job_path = _job(tmp_path, "bound")
     job = load_job(job_path)

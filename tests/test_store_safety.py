@@ -510,7 +510,7 @@ def test_watch_retries_after_a_store_write_error(copy):
         calls.append(time.monotonic())
         if len(calls) == 1:
             raise OSError(errno.ENOSPC, f"cannot write {store}/units/x.json: No space left on device")
-        from cachescore.pipeline.execute import run_job
+        from cachescore.pipeline.run import run_job
         return run_job(job, **kw)
 
     polls = watch_job(job, interval=0, max_runs=2, run=run, out=None, progress=False)

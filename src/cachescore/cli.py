@@ -50,7 +50,7 @@ from ._jsonsafe import json_safe
 from .pipeline import plan_job, run_job, unit_status
 from .pipeline.plan import empty_plan_hint
 from .pipeline.status import damaged_units
-from .pipeline.execute import build_results
+from .pipeline.run import plan_results
 from .pipeline.prune import prune_store
 from .pipeline.validate import refuse_invalid, validate_plan
 from .store import REPORT_FILE, CorruptRecordError, ResultsStore, is_store
@@ -415,7 +415,7 @@ def _cmd_export(args) -> int:
     plan = plan_job(job, store=store)
     if _refuse_damaged(args.job, plan, store):
         return 2
-    scores, probe, centres = build_results(plan, store)
+    scores, probe, centres = plan_results(plan, store)
     out = Path(args.output) if args.output else Path(job.store) / "export" / f"scores.{args.format}"
     for path in export_tables(scores, probe, out, fmt=args.format, centres=centres):
         print(f"wrote {path}")

@@ -344,13 +344,20 @@ def _calibration_curve(table: pd.DataFrame, role: str):
 
 def _probe_html(store, probe: pd.DataFrame | None, scores: pd.DataFrame | None,
                 centres: pd.DataFrame | None) -> str:
+    """The probe section: warnings, accuracy curves, calibration and per-centre accuracy."""
     if probe is None or probe.empty or "_error" in probe.columns:
         return "<p class='muted'>No probe sweep in this store.</p>"
     facts = _probe_facts(store, scores)
-    out, warns = [], []
-    for (view, enc), f in sorted(facts.items()):
-        if f.smallest_c_warning:
-            warns.append(f"<li><b>{_e(enc)}</b> · view {_e(view)}: {_e(f.smallest_c_warning)}</li>")
+    warns = [f"<li><b>{_e(enc)}</b> · view {_e(view)}: {_e(f.smallest_c_warning)}</li>"
+             for (view, enc), f in sorted(facts.items()) if f.smallest_c_warning]
+    out = [f"<div class='bad'><ul>{''.join(warns)}</ul></div>"] if warns else []
+    out.append(_accuracy_panels(probe, facts))
+    out.append(_calibration_panels(facts))
+    out.append(_centre_panels(centres))
+    return "".join(out)
+
+
+def _accuracy_panels(probe: pd.DataFrame, facts: dict) -> str:
     panels = []
     for (view, test_set), part in probe.groupby(["view", "test_set"], sort=True):
         curves = {}
@@ -359,42 +366,53 @@ def _probe_html(store, probe: pd.DataFrame | None, scores: pd.DataFrame | None,
             curves[enc] = (stats["mean"].to_numpy(float), stats["std"].fillna(0).to_numpy(float))
         v = next((f.cramers_v for (fv, _), f in facts.items() if fv == view and f.cramers_v), None)
         panels.append(f"<div class='panel'>{accuracy_curve_svg(curves, title=f'view {view} · test set {test_set}', x=v)}</div>")
-    out.append("<h3>Accuracy under confounding</h3><p class='muted'>balanced accuracy of the probes per split of "
-               "the schedule (mean ± sd over replicates) against the confounding of the training set: a robust "
-               "encoder keeps its accuracy as training gets more confounded, in-domain and on unseen centres.</p>"
-               f"<div class='panels'>{''.join(panels)}</div>")
-    cal_panels = []
+    return ("<h3>Accuracy under confounding</h3><p class='muted'>balanced accuracy of the probes per split of "
+            "the schedule (mean ± sd over replicates) against the confounding of the training set: a robust "
+            "encoder keeps its accuracy as training gets more confounded, in-domain and on unseen centres.</p>"
+            f"<div class='panels'>{''.join(panels)}</div>")
+
+
+def _calibration_curves(facts: dict, view: str, role: str) -> dict:
+    """``encoder -> (confidence, frequency, ECE)`` of the probes of ``view`` on ``role``."""
+    curves = {}
+    for (fv, enc), f in sorted(facts.items()):
+        if fv != view or f.calibration is None:
+            continue
+        curve = _calibration_curve(f.calibration, role)
+        if curve is None:
+            continue
+        m = f.metrics
+        ece = float(m.loc[m["role"] == role, "ece_raw"].mean()) if m is not None and "ece_raw" in m else float("nan")
+        curves[enc] = (curve[0], curve[1], ece)
+    return curves
+
+
+def _calibration_panels(facts: dict) -> str:
+    panels = []
     for view in sorted({v for v, _ in facts}):
         roles = sorted({r for (fv, _), f in facts.items() if fv == view and f.calibration is not None
                         for r in f.calibration["role"].unique() if r != "val"})
         for role in roles:
-            curves = {}
-            for (fv, enc), f in sorted(facts.items()):
-                if fv != view or f.calibration is None:
-                    continue
-                curve = _calibration_curve(f.calibration, role)
-                if curve is None:
-                    continue
-                m = f.metrics
-                ece = float(m.loc[m["role"] == role, "ece_raw"].mean()) if m is not None and "ece_raw" in m else float("nan")
-                curves[enc] = (curve[0], curve[1], ece)
+            curves = _calibration_curves(facts, view, role)
             if curves:
-                cal_panels.append(f"<div class='panel'>{reliability_svg(curves, title=f'view {view} · {role}')}</div>")
-    if cal_panels:
-        out.append("<h3>Calibration</h3><p class='muted'>reliability of the probes' raw probabilities (every "
-                   "probe and class pooled per confidence bin); ECE = mean expected calibration error of the "
-                   f"probes.</p><div class='panels'>{''.join(cal_panels)}</div>")
-    if centres is not None and not centres.empty and "_error" not in centres.columns:
-        bar_panels = []
-        test = centres[centres["role"] != "val"]
-        for (view, role), part in test.groupby(["view", "role"], sort=True):
-            table = part.pivot_table(index="centre", columns="encoder", values="balanced_accuracy", aggfunc="mean")
-            bar_panels.append(f"<div class='panel'>{centre_bars_svg(table, title=f'view {view} · {role}')}</div>")
-        out.append("<h3>Accuracy per centre</h3><p class='muted'>mean balanced accuracy of the probes on each "
-                   f"centre's rows.</p><div class='panels'>{''.join(bar_panels)}</div>")
-    if warns:
-        out.insert(0, f"<div class='bad'><ul>{''.join(warns)}</ul></div>")
-    return "".join(out)
+                panels.append(f"<div class='panel'>{reliability_svg(curves, title=f'view {view} · {role}')}</div>")
+    if not panels:
+        return ""
+    return ("<h3>Calibration</h3><p class='muted'>reliability of the probes' raw probabilities (every "
+            "probe and class pooled per confidence bin); ECE = mean expected calibration error of the "
+            f"probes.</p><div class='panels'>{''.join(panels)}</div>")
+
+
+def _centre_panels(centres: pd.DataFrame | None) -> str:
+    if centres is None or centres.empty or "_error" in centres.columns:
+        return ""
+    panels = []
+    test = centres[centres["role"] != "val"]
+    for (view, role), part in test.groupby(["view", "role"], sort=True):
+        table = part.pivot_table(index="centre", columns="encoder", values="balanced_accuracy", aggfunc="mean")
+        panels.append(f"<div class='panel'>{centre_bars_svg(table, title=f'view {view} · {role}')}</div>")
+    return ("<h3>Accuracy per centre</h3><p class='muted'>mean balanced accuracy of the probes on each "
+            f"centre's rows.</p><div class='panels'>{''.join(panels)}</div>")
 
 
 def _damaged_html(damaged: list[tuple[str, str]]) -> str:

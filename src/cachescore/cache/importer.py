@@ -423,67 +423,19 @@ def import_cache(
     not match), :class:`NonFiniteError` (NaN/inf rows, by manifest row), ``FileExistsError`` (an
     encoder's different arrays or a view exist, no ``overwrite``).
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
-    check_name("tileset", tileset)
-    if not isinstance(encoders, Mapping) or not encoders:
-        raise ValueError("encoders must be a non-empty mapping encoder name -> file(s)")
-    for name in encoders:
-        check_name("encoder", name)
-    for view in views or {}:
-        check_name("view", view)
+    _check_names(layout, tileset, encoders, views)
     frame, source = read_manifest(manifest, text_columns=("sample_id", "image_path", slide_column))
-    frame = frame.reset_index(drop=True)
-    if layout == "per_slide" and "sample_id" not in frame.columns:
-        _check_slide_table(frame, slide_column, source)
-    if layout == "per_slide" and is_slide_table(frame, slide_column):
-        frame = tiles_from_slides(frame, slide_column=slide_column, encoders=encoders, h5_dataset=h5_dataset,
-                                  source=source, follow_symlinks=follow_symlinks)
-        tile_index_column = "tile_index"
-    missing = [c for c in ("sample_id", "image_path") if c not in frame.columns]
-    if missing:
-        hint = (f" (a slide table needs --layout per_slide and a unique --slide-column, here {slide_column!r})"
-                if "sample_id" in missing else "")
-        raise CacheError(f"{source}: missing required columns {missing}{hint}")
-    n = len(frame)
+    frame, tile_index_column = _tile_frame(frame.reset_index(drop=True), source, encoders, layout=layout,
+                                           slide_column=slide_column, tile_index_column=tile_index_column,
+                                           h5_dataset=h5_dataset, follow_symlinks=follow_symlinks)
     plans = _read_plans(frame, source, encoders, layout=layout, slide_column=slide_column,
                         tile_index_column=tile_index_column, h5_dataset=h5_dataset, follow_symlinks=follow_symlinks)
     root = Path(root)
     out = tileset_frame(tileset, frame)
     tiles_file = tiles_path(root, tileset)
-    if tiles_file.is_file():
-        diff = _same_table(tiles_file, parquet_table(out, string_columns=("sample_id", "image_path"),
-                                                     source=f"tileset {tileset!r}"))
-        if diff:
-            raise CacheError(f"tileset {tileset!r} already exists in {root} with a different tile manifest ({diff}); "
-                             "encoders can be added only with the identical manifest: import into a new tileset")
-    for view, options in (views or {}).items():
-        if view_sidecar_path(root, view).exists() and not overwrite:
-            raise FileExistsError(f"view {view!r} already exists in {root}; pass --overwrite to replace it")
-        _check_view_columns(frame, view, str(dict(options).get("confounder_column", "")).strip(), source)
-    ids = out["sample_id"].to_numpy(dtype=object)
-    staged: dict[str, Path] = {}
-    unchanged: list[str] = []
-    try:
-        for name, (dim, dtype, read_block) in plans.items():
-            staging, meta = stage_embeddings_blocks(root, name, tileset, ids=ids, n_rows=n, dim=dim, dtype=dtype,
-                                                    read_block=read_block, shard_rows=shard_rows,
-                                                    source=f"encoder {name!r} (rows are {source} rows)")
-            target = embeddings_dir(root, name, tileset)
-            if target.exists() and _same_arrays(target, meta):
-                shutil.rmtree(staging, ignore_errors=True)  # identical bytes: nothing to do
-                unchanged.append(name)
-                continue
-            staged[name] = staging
-            if target.exists() and not overwrite:
-                raise FileExistsError(f"encoder {name!r} already has different embeddings for tileset {tileset!r} "
-                                      f"({target}); pass --overwrite to replace this encoder's arrays (no other "
-                                      "encoder is touched)")
-    except BaseException:
-        for staging in staged.values():
-            shutil.rmtree(staging, ignore_errors=True)
-        _remove_empty_folders(root, list(plans))
-        raise
+    _check_targets(root, tileset, out, tiles_file, frame, views, source, overwrite=overwrite)
+    staged = _stage_all(root, tileset, plans, out["sample_id"].to_numpy(dtype=object), len(frame), source,
+                        shard_rows=shard_rows, overwrite=overwrite)
     # publication: every input has been read and checked; the manifest first, then each encoder by rename
     if not tiles_file.is_file():
         write_tileset(root, tileset, frame)
@@ -501,6 +453,80 @@ def import_cache(
         for name in staged:
             cache.validate_embeddings(name, tileset)
     return cache
+
+
+def _check_names(layout: str, tileset: str, encoders, views) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
+    check_name("tileset", tileset)
+    if not isinstance(encoders, Mapping) or not encoders:
+        raise ValueError("encoders must be a non-empty mapping encoder name -> file(s)")
+    for name in encoders:
+        check_name("encoder", name)
+    for view in views or {}:
+        check_name("view", view)
+
+
+def _tile_frame(frame: pd.DataFrame, source: str, encoders, *, layout, slide_column, tile_index_column, h5_dataset,
+                follow_symlinks) -> tuple[pd.DataFrame, str | None]:
+    """The tile manifest (a ``per_slide`` slide table expanded into tiles) and its tile-index
+    column; raises :class:`CacheError` when ``sample_id`` or ``image_path`` is missing."""
+    if layout == "per_slide" and "sample_id" not in frame.columns:
+        _check_slide_table(frame, slide_column, source)
+    if layout == "per_slide" and is_slide_table(frame, slide_column):
+        frame = tiles_from_slides(frame, slide_column=slide_column, encoders=encoders, h5_dataset=h5_dataset,
+                                  source=source, follow_symlinks=follow_symlinks)
+        tile_index_column = "tile_index"
+    missing = [c for c in ("sample_id", "image_path") if c not in frame.columns]
+    if missing:
+        hint = (f" (a slide table needs --layout per_slide and a unique --slide-column, here {slide_column!r})"
+                if "sample_id" in missing else "")
+        raise CacheError(f"{source}: missing required columns {missing}{hint}")
+    return frame, tile_index_column
+
+
+def _check_targets(root: Path, tileset: str, out: pd.DataFrame, tiles_file: Path, frame, views, source: str, *,
+                   overwrite: bool) -> None:
+    """An existing tileset must have the identical manifest; an existing view needs ``overwrite``;
+    each view's confounder column must be usable."""
+    if tiles_file.is_file():
+        diff = _same_table(tiles_file, parquet_table(out, string_columns=("sample_id", "image_path"),
+                                                     source=f"tileset {tileset!r}"))
+        if diff:
+            raise CacheError(f"tileset {tileset!r} already exists in {root} with a different tile manifest ({diff}); "
+                             "encoders can be added only with the identical manifest: import into a new tileset")
+    for view, options in (views or {}).items():
+        if view_sidecar_path(root, view).exists() and not overwrite:
+            raise FileExistsError(f"view {view!r} already exists in {root}; pass --overwrite to replace it")
+        _check_view_columns(frame, view, str(dict(options).get("confounder_column", "")).strip(), source)
+
+
+def _stage_all(root: Path, tileset: str, plans: dict, ids, n: int, source: str, *, shard_rows, overwrite: bool
+               ) -> dict[str, Path]:
+    """Stage every encoder's arrays inside the cache (read and checked, not yet published);
+    returns ``encoder -> staging folder`` of those that change. Identical bytes are dropped; on
+    any failure every staging folder is removed and the cache is as it was."""
+    staged: dict[str, Path] = {}
+    try:
+        for name, (dim, dtype, read_block) in plans.items():
+            staging, meta = stage_embeddings_blocks(root, name, tileset, ids=ids, n_rows=n, dim=dim, dtype=dtype,
+                                                    read_block=read_block, shard_rows=shard_rows,
+                                                    source=f"encoder {name!r} (rows are {source} rows)")
+            target = embeddings_dir(root, name, tileset)
+            if target.exists() and _same_arrays(target, meta):
+                shutil.rmtree(staging, ignore_errors=True)  # identical bytes: nothing to do
+                continue
+            staged[name] = staging
+            if target.exists() and not overwrite:
+                raise FileExistsError(f"encoder {name!r} already has different embeddings for tileset {tileset!r} "
+                                      f"({target}); pass --overwrite to replace this encoder's arrays (no other "
+                                      "encoder is touched)")
+    except BaseException:
+        for staging in staged.values():
+            shutil.rmtree(staging, ignore_errors=True)
+        _remove_empty_folders(root, list(plans))
+        raise
+    return staged
 
 
 def _check_slide_table(frame: pd.DataFrame, slide_column: str, source: str) -> None:

@@ -306,39 +306,11 @@ class CrossConfounderRobustnessMargin:
         diagnostics = []
         for scope in prepared.scopes:
             n = scope.n
-            if n >= 2:
-                check_finite_rows(features, scope.rows)
-                u = normalize_rows(features[scope.rows])
-                fused = typed_search is typed_knn and count_search is None and schedule_diagnostics
-                if fused:
-                    so, os_, diag = _fused_search(
-                        u, scope, m_max, start_k=start_k, k_growth_factor=k_growth_factor, threads=threads
-                    )
-                elif typed_search is typed_knn:
-                    so, os_ = typed_knn(u, scope.labels, scope.confounders, scope.groups, m_max, threads=threads)
-                else:
-                    so, os_ = typed_search(u, scope.labels, scope.confounders, scope.groups, m_max)
-                so = np.ascontiguousarray(so, dtype=np.float64)
-                os_ = np.ascontiguousarray(os_, dtype=np.float64)
-                if so.shape != (n, m_max) or os_.shape != (n, m_max):
-                    raise ValueError(
-                        f"typed_search returned shapes {so.shape} and {os_.shape}; expected ({n}, {m_max}) each"
-                    )
-                if not fused:
-                    diag = _scope_schedule(
-                        u,
-                        scope,
-                        so,
-                        os_,
-                        start_k=start_k,
-                        k_growth_factor=k_growth_factor,
-                        count=schedule_diagnostics,
-                        count_search=partial(count_within, threads=threads) if count_search is None else count_search,
-                    )
-            else:
-                so = np.full((n, m_max), np.inf)
-                os_ = np.full((n, m_max), np.inf)
-                diag = (0, 0, 0)
+            so, os_, diag = _scope_neighbours(
+                features, scope, m_max, typed_search=typed_search, count_search=count_search,
+                schedule_diagnostics=schedule_diagnostics, start_k=start_k, k_growth_factor=k_growth_factor,
+                threads=threads,
+            )
             diagnostics.append(diag)
             for mm in unique_m:
                 values, unresolved, zero = _margins(so[:, :mm], os_[:, :mm])
@@ -356,52 +328,95 @@ class CrossConfounderRobustnessMargin:
                 values_by_m[mm].append(values)
                 medians_by_m[mm].append(float(np.median(values)))
 
-        if schedule_diagnostics:
-            k_start = min((d[0] for d in diagnostics), default=0)
-            k_final = max((d[1] for d in diagnostics), default=0)
-            retries = max((d[2] for d in diagnostics), default=0)
-        else:
-            k_start = k_final = retries = SCHEDULE_NOT_COMPUTED
+        k_start, k_final, retries = _schedule_summary(diagnostics, schedule_diagnostics)
         if prepared.scopes:
             subsets = np.concatenate([np.full(s.n, s.subset, dtype=object) for s in prepared.scopes]).astype(str)
         else:
             subsets = np.empty(0, dtype=str)
-        sources = prepared.source_indices.astype(int)
-
-        results: dict[int, CRoMaResult] = {}
-        for mm in unique_m:
-            pair_values = np.asarray(medians_by_m[mm], dtype=float)
-            finite = pair_values[np.isfinite(pair_values)]
-            value = float(np.median(finite)) if finite.size else float("nan")
-            std = float(finite.std(ddof=0)) if finite.size > 1 else 0.0
-            unit_values = (
-                np.concatenate(values_by_m[mm]).astype(float) if values_by_m[mm] else np.empty(0, dtype=float)
-            )
-            tail = compute_tail_metrics(unit_values, alpha=alpha)
-            results[mm] = CRoMaResult(
-                prepared.dataset,
-                mm,
-                value,
-                std,
-                len(pair_values),
-                pair_values,
-                unit_values,
-                unit_values,
-                evaluation_design=design,
-                evaluation_unit=unit,
-                occurrence_subsets=subsets,
-                occurrence_source_indices=sources,
-                k_start=int(k_start),
-                k_final=int(k_final),
-                retries=int(retries),
-                alpha=tail.alpha,
-                q_alpha=tail.q_alpha,
-                ltm_alpha=tail.ltm_alpha,
-                f0=confounder_dominant_fraction(unit_values),
-            )
+        common = dict(
+            evaluation_design=design,
+            evaluation_unit=unit,
+            occurrence_subsets=subsets,
+            occurrence_source_indices=prepared.source_indices.astype(int),
+            k_start=int(k_start),
+            k_final=int(k_final),
+            retries=int(retries),
+        )
+        results = {
+            mm: _croma_result(prepared.dataset, mm, medians_by_m[mm], values_by_m[mm], alpha=alpha, **common)
+            for mm in unique_m
+        }
         if single:
             return results[ordered_m[0]]
         return {mm: results[mm] for mm in ordered_m}
+
+
+def _scope_neighbours(features, scope, m_max, *, typed_search, count_search, schedule_diagnostics, start_k,
+                      k_growth_factor, threads):
+    """``(so, os_, diag)`` of one scope: its typed distances (float64, (n, m_max), +inf padded)
+    and its schedule diagnostics ``(k_start, k_final, retries)``. Default backends with
+    diagnostics run fused; a scope of fewer than two rows has no neighbours (all +inf)."""
+    n = scope.n
+    if n < 2:
+        return np.full((n, m_max), np.inf), np.full((n, m_max), np.inf), (0, 0, 0)
+    check_finite_rows(features, scope.rows)
+    u = normalize_rows(features[scope.rows])
+    fused = typed_search is typed_knn and count_search is None and schedule_diagnostics
+    if fused:
+        so, os_, diag = _fused_search(u, scope, m_max, start_k=start_k, k_growth_factor=k_growth_factor, threads=threads)
+    elif typed_search is typed_knn:
+        so, os_ = typed_knn(u, scope.labels, scope.confounders, scope.groups, m_max, threads=threads)
+    else:
+        so, os_ = typed_search(u, scope.labels, scope.confounders, scope.groups, m_max)
+    so = np.ascontiguousarray(so, dtype=np.float64)
+    os_ = np.ascontiguousarray(os_, dtype=np.float64)
+    if so.shape != (n, m_max) or os_.shape != (n, m_max):
+        raise ValueError(f"typed_search returned shapes {so.shape} and {os_.shape}; expected ({n}, {m_max}) each")
+    if not fused:
+        diag = _scope_schedule(
+            u,
+            scope,
+            so,
+            os_,
+            start_k=start_k,
+            k_growth_factor=k_growth_factor,
+            count=schedule_diagnostics,
+            count_search=partial(count_within, threads=threads) if count_search is None else count_search,
+        )
+    return so, os_, diag
+
+
+def _schedule_summary(diagnostics, computed: bool) -> tuple[int, int, int]:
+    """``(k_start, k_final, retries)`` over the scopes, or :data:`SCHEDULE_NOT_COMPUTED` thrice."""
+    if not computed:
+        return SCHEDULE_NOT_COMPUTED, SCHEDULE_NOT_COMPUTED, SCHEDULE_NOT_COMPUTED
+    return (min((d[0] for d in diagnostics), default=0), max((d[1] for d in diagnostics), default=0),
+            max((d[2] for d in diagnostics), default=0))
+
+
+def _croma_result(dataset, mm, medians, values, *, alpha, **common) -> CRoMaResult:
+    """The :class:`CRoMaResult` of margin size ``mm`` from its per-scope medians and unit values."""
+    pair_values = np.asarray(medians, dtype=float)
+    finite = pair_values[np.isfinite(pair_values)]
+    value = float(np.median(finite)) if finite.size else float("nan")
+    std = float(finite.std(ddof=0)) if finite.size > 1 else 0.0
+    unit_values = np.concatenate(values).astype(float) if values else np.empty(0, dtype=float)
+    tail = compute_tail_metrics(unit_values, alpha=alpha)
+    return CRoMaResult(
+        dataset,
+        mm,
+        value,
+        std,
+        len(pair_values),
+        pair_values,
+        unit_values,
+        unit_values,
+        **common,
+        alpha=tail.alpha,
+        q_alpha=tail.q_alpha,
+        ltm_alpha=tail.ltm_alpha,
+        f0=confounder_dominant_fraction(unit_values),
+    )
 
 
 #: Public alias (croma-compatible).

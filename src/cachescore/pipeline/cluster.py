@@ -1,4 +1,5 @@
-"""Where the work runs: a LocalCluster on 127.0.0.1 by default, or an existing scheduler.
+"""Where the work runs: a LocalCluster on 127.0.0.1 by default, an existing scheduler, or a
+batch / Kubernetes cluster sized to the plan.
 
 One code path for both (DESIGN.md §5): :func:`open_client` yields a connected
 :class:`distributed.Client`; every worker gets :class:`SingleThreadBLAS` so BLAS/OpenMP run one
@@ -21,9 +22,10 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from .._threads import THREAD_ENV, single_thread_blas
 from .._warncapture import hold_capture
+from .plan import Plan, UnitKind
 
-__all__ = ["SingleThreadBLAS", "open_client", "open_cluster_client", "batch_cluster_kwargs", "kubernetes_manifests",
-           "THREAD_ENV"]
+__all__ = ["SingleThreadBLAS", "open_client", "open_cluster_client", "client_for", "batch_cluster_kwargs",
+           "kubernetes_manifests", "plan_parallelism", "maximum_jobs", "THREAD_ENV"]
 
 class SingleThreadBLAS(WorkerPlugin):
     """Worker plugin: one BLAS/OpenMP thread per worker process, one numba thread.
@@ -234,3 +236,40 @@ def _scheduler_config_restored() -> Iterator[None]:
             dask.config.config["scheduler"] = old
         else:
             dask.config.config.pop("scheduler", None)
+
+
+def plan_parallelism(plan: Plan) -> int:
+    """Tasks the plan's pending work can run at once: one per metric unit, one per probe replicate
+    × split, a few per large unit (its search batches); the bound of adaptive scaling."""
+    n = 0
+    for u in plan.pending:
+        if u.kind is UnitKind.PROBE and plan.job.probe is not None:
+            n += int(plan.job.probe.iterations) * len(plan.job.probe.resolved_schedule())
+        else:
+            n += 4 if u.kind is UnitKind.LARGE else 1
+    return max(1, n)
+
+
+def maximum_jobs(job, plan: Plan, kind: str | None = None) -> int:
+    """``[cluster] maximum_jobs``, or (0) the plan's parallelism over the processes per job of
+    ``kind`` (default the job's ``[cluster] kind``), at most 32."""
+    c = job.cluster
+    kind = kind or c["kind"]
+    if int(c["maximum_jobs"]) > 0:
+        return int(c["maximum_jobs"])
+    per_job = int(c[kind]["processes"]) if kind in ("slurm", "pbs") else 1
+    return max(1, min(32, -(-plan_parallelism(plan) // max(1, per_job))))
+
+
+def client_for(job, plan: Plan, scheduler: str | None, cluster_kind: str, processes: bool):
+    """The one place a run gets its client (a context manager yielding it): an existing
+    ``scheduler``, a batch / Kubernetes cluster of ``cluster_kind`` scaled adaptively up to
+    :func:`maximum_jobs`, or (``"local"``) a LocalCluster from ``[execution]``."""
+    ex = job.execution
+    if scheduler:
+        return open_client(scheduler)
+    if cluster_kind != "local":
+        return open_cluster_client({**job.cluster, "kind": cluster_kind},
+                                   maximum_jobs=maximum_jobs(job, plan, cluster_kind))
+    return open_client(None, n_workers=ex["n_workers"], memory_limit=ex["memory_limit"], dashboard=ex["dashboard"],
+                       processes=processes)

@@ -252,77 +252,125 @@ def plan_job(job: Job, *, cache=None, store=None) -> Plan:
     """
     cache = Cache(job.cache) if cache is None else cache
     store = ResultsStore.open(job.store) if store is None else store  # planning only reads
+    encoders, views = _selection(job, cache)
+    planner = _Planner(job, cache, store)
+    for view in views:
+        planner.plan_view(view, encoders)
+    if job.probe is not None:
+        _plan_probe_units(job, cache, store, encoders, views, planner.code, planner.pending, planner.done,
+                          planner.invalid, planner.fps)
+    return Plan(job=job, pending=tuple(planner.pending), done=tuple(planner.done), invalid=tuple(planner.invalid),
+                inputs=planner.inputs)
 
+
+def _selection(job: Job, cache) -> tuple[list, list]:
+    """The job's encoders and views (all of the cache's when it names none); raises ``ValueError``
+    naming what the job asks for and the cache lacks."""
     all_encoders, all_views = cache.encoders(), cache.views()
     for kind, asked, have in (("encoder", job.encoders, all_encoders), ("view", job.views, all_views)):
         missing = [x for x in asked if x not in have]
         if missing:
             raise ValueError(f"{job.path or '<job>'}: {kind}(s) {', '.join(missing)} not in cache {job.cache} "
                              f"(it has: {', '.join(have) or 'none'})")
-    encoders = list(job.encoders) or list(all_encoders)
-    views = list(job.views) or list(all_views)
-    code = code_version()
-    families = _metric_params(job)
-    nb = job.neighbors
+    return list(job.encoders) or list(all_encoders), list(job.views) or list(all_views)
 
-    inputs: dict[str, str] = {}
-    fps = _InputFingerprints(cache)
-    emb_info: dict[tuple[str, str], tuple[str | None, int | None, str | None]] = {}
 
-    def embedding(enc: str, tileset: str):
-        if (enc, tileset) not in emb_info:
+def _error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+@dataclass
+class _ViewFacts:
+    """What planning reads of one view: its design, tileset, confounder, fingerprint, largest
+    scope, and why it (or a family on it) cannot be scored (``error``: unreadable,
+    ``scope_error``: an undefined scope, ``too_small`` per family; None when it can)."""
+
+    design: str
+    tileset: str = "?"
+    confounder: str = "?"
+    fingerprint: str | None = None
+    scope_rows: int = 0
+    error: str | None = None
+    scope_error: str | None = None
+    too_small: list = field(default_factory=list)
+
+
+class _Planner:
+    """The metric units of one plan, view by view: pending / done / invalid, and the input
+    fingerprints (``inputs``: ``views/<view>`` and ``embeddings/<encoder>/<tileset>``, an
+    ``error: ...`` string for an input that could not be read)."""
+
+    def __init__(self, job: Job, cache, store):
+        self.job, self.cache, self.store = job, cache, store
+        self.code = code_version()
+        self.families = _metric_params(job)
+        self.fps = _InputFingerprints(cache)
+        self.inputs: dict[str, str] = {}
+        self._embeddings: dict[tuple[str, str], tuple] = {}
+        self.pending: list = []
+        self.done: list = []
+        self.invalid: list = []
+
+    def embedding(self, enc: str, tileset: str) -> tuple[str | None, int | None, str | None]:
+        """``(fingerprint, dim, error)`` of an encoder's embeddings of ``tileset`` (read once)."""
+        key = (enc, tileset)
+        if key not in self._embeddings:
             try:
-                fp = fps.embedding(enc, tileset)
-                dim = int(cache.embeddings(enc, tileset).shape[1])
-                emb_info[(enc, tileset)] = (fp, dim, None)
-                inputs[f"embeddings/{enc}/{tileset}"] = fp
-            except (ValueError, OSError, KeyError) as exc:
-                err = f"{type(exc).__name__}: {exc}"
-                emb_info[(enc, tileset)] = (None, None, err)
-                inputs[f"embeddings/{enc}/{tileset}"] = f"error: {err}"
-        return emb_info[(enc, tileset)]
+                fp = self.fps.embedding(enc, tileset)
+                self._embeddings[key] = (fp, int(self.cache.embeddings(enc, tileset).shape[1]), None)
+                self.inputs[f"embeddings/{enc}/{tileset}"] = fp
+            except (ValueError, OSError) as exc:
+                self._embeddings[key] = (None, None, _error(exc))
+                self.inputs[f"embeddings/{enc}/{tileset}"] = f"error: {_error(exc)}"
+        return self._embeddings[key]
 
-    pending, done, invalid = [], [], []
-    for view in views:
-        view_err = None
+    def view_facts(self, view: str) -> _ViewFacts:
+        """Read ``view`` once for every encoder (the rows decide scope problems, not the encoder)."""
+        job = self.job
         try:
-            spec = cache.view_spec(view)
-            view_fp = fps.view(view)
-            frame = cache.read_view(view)
-            inputs[f"views/{view}"] = view_fp
-            design = _design_for(job, getattr(spec, "design", None))
-            scope_rows = _scope_rows(frame, design)
-            tileset, confounder = spec.tileset, spec.confounder_column
-            scope_err = undefined_scope(frame, confounder, design, view)
-            size_err = [None if scope_err else scope_size_problem(frame, confounder, design, view, metric, mparams)
-                        for metric, mparams in families]  # per view, not per encoder: the rows decide
-        except (ValueError, OSError, KeyError) as exc:
-            view_err = f"{type(exc).__name__}: {exc}"
-            inputs[f"views/{view}"] = f"error: {view_err}"
-            design = job.design if job.design != "auto" else "?"
-            tileset, confounder, view_fp, scope_rows, scope_err = "?", "?", None, 0, None
-            size_err = [None] * len(families)
+            spec = self.cache.view_spec(view)
+            view_fp = self.fps.view(view)
+            frame = self.cache.read_view(view)
+        except (ValueError, OSError) as exc:
+            self.inputs[f"views/{view}"] = f"error: {_error(exc)}"
+            return _ViewFacts(design=job.design if job.design != "auto" else "?", error=_error(exc),
+                              too_small=[None] * len(self.families))
+        self.inputs[f"views/{view}"] = view_fp
+        design = _design_for(job, getattr(spec, "design", None))
+        confounder = spec.confounder_column
+        scope_err = undefined_scope(frame, confounder, design, view)
+        too_small = [None if scope_err else scope_size_problem(frame, confounder, design, view, metric, mparams)
+                     for metric, mparams in self.families]
+        return _ViewFacts(design=design, tileset=spec.tileset, confounder=confounder, fingerprint=view_fp,
+                          scope_rows=_scope_rows(frame, design), scope_error=scope_err, too_small=too_small)
+
+    def plan_view(self, view: str, encoders: list) -> None:
+        facts = self.view_facts(view)
         for enc in encoders:
-            emb_fp, dim, emb_err = embedding(enc, tileset) if view_err is None else (None, None, None)
-            for (metric, mparams), too_small in zip(families, size_err):
-                err = view_err or emb_err or scope_err or too_small
+            emb_fp, dim, emb_err = self.embedding(enc, facts.tileset) if facts.fingerprint else (None, None, None)
+            for (metric, mparams), too_small in zip(self.families, facts.too_small):
+                err = facts.error or emb_err or facts.scope_error or too_small
                 if err is not None:
-                    ident = {"encoder": enc, "view": view, "tileset": tileset, "design": design,
-                             "family": metric, "metric": metric, "params": mparams}
-                    fp = _fingerprint({"kind": "cachescore.invalid-unit/1", **ident, "error": err, "code": code})
-                    invalid.append(InvalidUnit(unit=ident, fingerprint=fp, error=err))
+                    self.invalid.append(self._invalid(enc, view, facts, metric, mparams, err))
                     continue
-                params = dict(mparams, **engine_params(nb["backend"], scope_rows=scope_rows, dim=dim, neighbors=nb))
-                unit_inputs = {"embeddings": emb_fp, "view": view_fp}
-                fp = unit_fingerprint(encoder=enc, view=view, design=design, metric=metric,
-                                      confounder_column=confounder, params=params, inputs=unit_inputs, code=code)
-                unit = WorkUnit(encoder=enc, view=view, tileset=tileset, design=design, metric=metric,
-                                confounder_column=confounder, params=params, cache_root=str(job.cache),
-                                store_root=str(job.store), inputs=unit_inputs, code_version=code, fingerprint=fp)
-                (done if unit_is_stored(store, unit, job.probe) else pending).append(unit)
-    if job.probe is not None:
-        _plan_probe_units(job, cache, store, encoders, views, code, pending, done, invalid, fps)
-    return Plan(job=job, pending=tuple(pending), done=tuple(done), invalid=tuple(invalid), inputs=inputs)
+                unit = self._unit(enc, view, facts, metric, mparams, emb_fp, dim)
+                (self.done if unit_is_stored(self.store, unit, self.job.probe) else self.pending).append(unit)
+
+    def _invalid(self, enc, view, facts: _ViewFacts, metric, mparams, err: str) -> InvalidUnit:
+        ident = {"encoder": enc, "view": view, "tileset": facts.tileset, "design": facts.design,
+                 "family": metric, "metric": metric, "params": mparams}
+        fp = _fingerprint({"kind": "cachescore.invalid-unit/1", **ident, "error": err, "code": self.code})
+        return InvalidUnit(unit=ident, fingerprint=fp, error=err)
+
+    def _unit(self, enc, view, facts: _ViewFacts, metric, mparams, emb_fp, dim) -> WorkUnit:
+        job, nb = self.job, self.job.neighbors
+        params = dict(mparams, **engine_params(nb["backend"], scope_rows=facts.scope_rows, dim=dim, neighbors=nb))
+        unit_inputs = {"embeddings": emb_fp, "view": facts.fingerprint}
+        fp = unit_fingerprint(encoder=enc, view=view, design=facts.design, metric=metric,
+                              confounder_column=facts.confounder, params=params, inputs=unit_inputs, code=self.code)
+        return WorkUnit(encoder=enc, view=view, tileset=facts.tileset, design=facts.design, metric=metric,
+                        confounder_column=facts.confounder, params=params, cache_root=str(job.cache),
+                        store_root=str(job.store), inputs=unit_inputs, code_version=self.code, fingerprint=fp)
 
 
 class _InputFingerprints:
@@ -372,8 +420,8 @@ def _plan_probe_units(job, cache, store, encoders, views, code, pending, done, i
                 spec = cache.view_spec(view)
                 inputs = {"embeddings": fps.embedding(enc, spec.tileset), "view": fps.view(view)}
                 fp = probe_unit_fingerprint(cache, enc, view, job.probe, code_version=probe_code, inputs=inputs)
-            except (ValueError, OSError, KeyError) as exc:
-                err = f"{type(exc).__name__}: {exc}"
+            except (ValueError, OSError) as exc:
+                err = _error(exc)
                 ident = {"encoder": enc, "view": view, "tileset": "?", "design": "probe", "family": "probe",
                          "metric": "probe", "params": params}
                 invalid.append(InvalidUnit(unit=ident, fingerprint=_fingerprint(

@@ -44,6 +44,7 @@ from ..probe.evaluate import evaluate_sweep, role_kind
 from ..probe.params import ProbeParams
 from ..probe.views import ProbeSelection, select_probe_rows
 from ..store import ResultsStore
+from .outcome import DONE, FAILED, SKIPPED, UnitOutcome
 
 #: Distributions whose versions a probe record stores.
 _RECORD_DISTRIBUTIONS = ("cachescore", "numpy", "scikit-learn", "scipy", "pandas", "dask", "distributed", "pyarrow")
@@ -194,39 +195,55 @@ def run_probe_unit(cache_root, encoder: str, view: str, params: ProbeParams | Ma
     cache = _cache(cache_root)
     identity = _unit_identity(cache, encoder, view, params, code_version, inputs)
     unit_fp = fingerprint(identity)
-    tileset = identity["tileset"]
     path = Path(bundle_root) / encoder / view / unit_fp
     frame = cache.read_view(view)
     selection = select_probe_rows(frame, params, source=f"view {view!r} ({cache.root})")
 
-    evaluation, reused = None, False
-    if path.exists():
-        try:
-            evaluation, reused = read_bundle(path), True
-        except (BundleError, OSError, KeyError, ValueError):
-            evaluation = None
+    evaluation = _reusable_bundle(path)
+    reused = evaluation is not None
     if evaluation is None:
-        cache.validate_embeddings(encoder, tileset)
-        tile_rows = frame["row"].to_numpy(dtype=np.int64)[selection.needed_rows]
-        inputs = selection.gather_block(cache.load_rows(encoder, tileset, tile_rows))
-        evaluation = evaluate_sweep(inputs.embeddings, inputs.confounders, inputs.labels, client=client,
-                                    **inputs.evaluate_kwargs(params))
-        provenance = {
-            "unit_fingerprint": unit_fp, **{k: identity[k] for k in ("kind", "encoder", "view", "tileset", "inputs")},
-            "code_version": identity["code"], "cache_root": str(cache.root), "params": params.to_dict(),
-            "confounder_column": selection.confounder_column,
-            "confounder_names": list(selection.confounder_names), "class_names": list(selection.class_names),
-            "rows": {"in_domain": int(selection.id_rows.size),
-                     **{n: int(r.size) for n, r in selection.test_rows.items()}, "ignored": selection.n_ignored},
-            "versions": package_versions(_RECORD_DISTRIBUTIONS),
-        }
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_bundle(evaluation, path, provenance=provenance, overwrite=path.exists(), encoder_id=encoder,
-                     cache_fingerprint=fingerprint(identity["inputs"]))
+        evaluation = _evaluate_and_bundle(cache, encoder, frame, selection, params, identity, unit_fp, path,
+                                          client=client)
     seconds = time.perf_counter() - t0
     records = _records(evaluation, identity=identity, unit_fp=unit_fp, params=params, bundle=path,
                        seconds=seconds, reused=reused, selection=selection)
     return records, path
+
+
+def _reusable_bundle(path: Path):
+    """The evaluation of the complete bundle at ``path`` (checksums verified), or None when there
+    is none or it is incomplete or tampered (it is then replaced)."""
+    if not path.exists():
+        return None
+    try:
+        return read_bundle(path)
+    except (BundleError, OSError, KeyError, ValueError):  # a damaged bundle is recomputed, not an error
+        return None
+
+
+def _evaluate_and_bundle(cache, encoder: str, frame, selection, params: ProbeParams, identity: dict, unit_fp: str,
+                         path: Path, *, client):
+    """Read the selected rows, evaluate the sweep (on ``client`` when given) and write its bundle
+    at ``path`` with the unit's provenance; returns the evaluation."""
+    tileset = identity["tileset"]
+    cache.validate_embeddings(encoder, tileset)
+    tile_rows = frame["row"].to_numpy(dtype=np.int64)[selection.needed_rows]
+    inputs = selection.gather_block(cache.load_rows(encoder, tileset, tile_rows))
+    evaluation = evaluate_sweep(inputs.embeddings, inputs.confounders, inputs.labels, client=client,
+                                **inputs.evaluate_kwargs(params))
+    provenance = {
+        "unit_fingerprint": unit_fp, **{k: identity[k] for k in ("kind", "encoder", "view", "tileset", "inputs")},
+        "code_version": identity["code"], "cache_root": str(cache.root), "params": params.to_dict(),
+        "confounder_column": selection.confounder_column,
+        "confounder_names": list(selection.confounder_names), "class_names": list(selection.class_names),
+        "rows": {"in_domain": int(selection.id_rows.size),
+                 **{n: int(r.size) for n, r in selection.test_rows.items()}, "ignored": selection.n_ignored},
+        "versions": package_versions(_RECORD_DISTRIBUTIONS),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_bundle(evaluation, path, provenance=provenance, overwrite=path.exists(), encoder_id=encoder,
+                 cache_fingerprint=fingerprint(identity["inputs"]))
+    return evaluation
 
 
 def write_probe_records(store, records: Sequence[dict], *, run_id: str | None = None) -> list[str]:
@@ -241,7 +258,7 @@ def write_probe_records(store, records: Sequence[dict], *, run_id: str | None = 
 
 
 def run_probe_and_store(cache_root, store, encoder: str, view: str, params: ProbeParams | Mapping, *,
-                        bundle_root, client=None, run_id: str | None = None, force: bool = False) -> dict:
+                        bundle_root, client=None, run_id: str | None = None, force: bool = False) -> UnitOutcome:
     """The pipeline's entry point for one probe unit: skip, run and store, or record the failure.
 
     ``store`` is a :class:`~cachescore.store.ResultsStore` (or its folder). When every record of
@@ -251,8 +268,8 @@ def run_probe_and_store(cache_root, store, encoder: str, view: str, params: Prob
     for the schedule, corrupt embeddings) is recorded as the failure of every record
     fingerprint of the unit (so a later success supersedes it) and returned, not raised.
 
-    Returns ``{"fingerprint", "label", "status": "done" | "skipped" | "failed", "seconds",
-    "records": [record fingerprints], "bundle": path or None, "error"?}``.
+    Returns the unit's :class:`~.outcome.UnitOutcome`: ``status`` done | skipped | failed,
+    ``records`` the record fingerprints, ``bundle`` the bundle's path (done only), ``error``.
     """
     t0 = time.perf_counter()
     store = store if isinstance(store, ResultsStore) else ResultsStore(store)
@@ -260,9 +277,9 @@ def run_probe_and_store(cache_root, store, encoder: str, view: str, params: Prob
     unit_fp = probe_unit_fingerprint(cache_root, encoder, view, params)
     record_fps = [probe_record_fingerprint(unit_fp, m, r) for m, r in probe_record_keys(params)]
     label = f"{encoder}/{view}/probe"
-    status = {"fingerprint": unit_fp, "label": label, "records": record_fps, "bundle": None}
+    ident = {"fingerprint": unit_fp, "label": label, "records": tuple(record_fps)}
     if not force and probe_unit_done(store, unit_fp, params):
-        return {**status, "status": "skipped", "seconds": time.perf_counter() - t0}
+        return UnitOutcome(**ident, status=SKIPPED, seconds=time.perf_counter() - t0)
     try:
         records, path = run_probe_unit(cache_root, encoder, view, params, bundle_root=bundle_root, client=client)
     except DATA_ERRORS as exc:
@@ -271,6 +288,6 @@ def run_probe_and_store(cache_root, store, encoder: str, view: str, params: Prob
             store.record_failure(fp, unit={"encoder": encoder, "view": view, "scope": matrix, "design": "probe",
                                            "family": "probe", "metric": metric, "params": params.to_dict(),
                                            "unit_fingerprint": unit_fp, "run_id": run_id}, error=err)
-        return {**status, "status": "failed", "error": err, "seconds": time.perf_counter() - t0}
+        return UnitOutcome(**ident, status=FAILED, error=err, seconds=time.perf_counter() - t0)
     write_probe_records(store, records, run_id=run_id)
-    return {**status, "status": "done", "bundle": str(path), "seconds": time.perf_counter() - t0}
+    return UnitOutcome(**ident, status=DONE, bundle=str(path), seconds=time.perf_counter() - t0)

@@ -50,6 +50,7 @@ from ..neighbors.normalize import compute_dtype
 from ..neighbors.registry import in_memory_searcher
 from ..store import ResultsStore
 from ..store.results import StoreWriteError
+from .outcome import UnitOutcome
 from .plan import UnitKind, params_json
 from .probe_unit import run_probe_unit, write_probe_records
 
@@ -236,11 +237,10 @@ def load_unit_inputs(unit) -> tuple[np.ndarray, pd.DataFrame]:
     return features, manifest
 
 
-def run_unit(unit, run_id: str | None = None) -> dict:
-    """The Dask task for one in-memory metric unit (:attr:`UnitKind.SCORE`). Returns a small
-    status dict (never arrays).
+def run_unit(unit, run_id: str | None = None) -> UnitOutcome:
+    """The Dask task for one in-memory metric unit (:attr:`UnitKind.SCORE`). Returns its
+    :class:`~.outcome.UnitOutcome` (small: never arrays).
 
-    ``{"fingerprint", "label", "status": "done" | "failed", "seconds", "error"?, "worker_pid"}``.
     Reads the unit's inputs on the worker (:func:`load_unit_inputs`), scores them
     (:func:`score_unit`) with BLAS pinned to one thread and writes the result atomically;
     ``run_id`` is stored with the record. Warnings raised while scoring are stored in the record
@@ -267,14 +267,14 @@ def run_unit(unit, run_id: str | None = None) -> dict:
                          bytes_read=int(features.nbytes))
 
 
-def drive_large_unit(unit, client, run_id: str | None = None, retries: int = 0) -> dict:
+def drive_large_unit(unit, client, run_id: str | None = None, retries: int = 0) -> UnitOutcome:
     """Score a unit planned out of core (:attr:`~.plan.UnitKind.LARGE`) from the calling
     process, normally the client's (:func:`~.execute.execute_plan` runs several on threads).
 
     The unit's O(n) state (view frame, scope codes, per-unit values, memory-mapped neighbour tables)
     lives here; its searches run on ``client``'s workers as tasks that each hold at most one chunk
     or one target piece (:mod:`cachescore.neighbors.large_scope`), so worker memory does not grow with the scope.
-    Returns the status dict of :func:`run_unit` (``worker_pid`` is this process). Never raises:
+    Returns the unit's :class:`~.outcome.UnitOutcome` (``worker_pid`` is this process). Never raises:
     a data error is recorded as the unit's failure at once; any other exception (a lost worker, a
     cancelled task) is retried ``retries`` times (completed scratch artefacts are reused), then
     recorded as the failure.
@@ -295,9 +295,9 @@ def drive_large_unit(unit, client, run_id: str | None = None, retries: int = 0) 
 
 
 def _write_result(store, unit, record: dict, per_unit, *, started: float, loaded: float, caught, run_id,
-                  bytes_read: int | None = None) -> dict:
+                  bytes_read: int | None = None) -> UnitOutcome:
     """Complete a unit's record (timings, versions, inputs, warnings), write it atomically with
-    its per-unit table and return the task's status dict (with ``value``, ``recall``, ``rows``:
+    its per-unit table and return the unit's outcome (with ``value``, ``recall``, ``rows``:
     the unit's scored rows, ``bytes_read``: embedding bytes it loaded, for the run board). A store
     that cannot be written (disk full, read-only: :class:`~cachescore.store.results.StoreWriteError`
     naming the file) makes the unit ``failed``, not retried: the other units are still attempted."""
@@ -314,35 +314,33 @@ def _write_result(store, unit, record: dict, per_unit, *, started: float, loaded
         store.write_unit(unit.fingerprint, record=record, per_unit=per_unit)
     except StoreWriteError as exc:
         return _record_failure(store, unit, exc, run_id=run_id, started=started)
-    return {"fingerprint": unit.fingerprint, "label": unit.label, "status": "done",
-            "seconds": record["seconds"], "worker_pid": os.getpid(), "value": record.get("value"),
-            "recall": record.get("recall"), "rows": record.get("n_units"), "bytes_read": bytes_read}
+    return UnitOutcome.done(unit, seconds=record["seconds"], worker_pid=os.getpid(), value=record.get("value"),
+                            recall=record.get("recall"), rows=record.get("n_units"), bytes_read=bytes_read)
 
 
-def _record_failure(store, unit, exc: BaseException, *, run_id, started: float) -> dict:
-    """Record ``exc`` as the unit's failure and return the task's status dict (``failed``).
+def _record_failure(store, unit, exc: BaseException, *, run_id, started: float) -> UnitOutcome:
+    """Record ``exc`` as the unit's failure and return its ``failed`` outcome.
 
     Must be called from inside the ``except`` block (the traceback is the current exception's).
     Recording is best effort: a store that cannot take the failure file either (disk full) still
-    gets the status dict back to the client, which reports it.
+    gets the outcome back to the client, which reports it.
     """
     err = f"{type(exc).__name__}: {exc}"
     try:
         store.record_failure(unit.fingerprint, unit=dict(unit.describe(), run_id=run_id), error=err)
     except OSError:
         pass
-    return {"fingerprint": unit.fingerprint, "label": unit.label, "status": "failed", "error": err,
-            "traceback": traceback.format_exc(limit=5), "seconds": time.perf_counter() - started,
-            "worker_pid": os.getpid()}
+    return UnitOutcome.failed(unit, err, traceback=traceback.format_exc(limit=5),
+                              seconds=time.perf_counter() - started, worker_pid=os.getpid())
 
 
 #: errnos of a destination that cannot take more bytes: recorded as the unit's failure, not retried.
 _FULL_OR_READ_ONLY = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
 
-def run_probe_task(unit, bundle_root, run_id: str | None = None) -> dict:
-    """The Dask task for one probe-sweep unit (:attr:`UnitKind.PROBE`). Returns a status dict
-    like :func:`run_unit` (``{"fingerprint", "label", "status", "seconds", "error"?, "records"?}``).
+def run_probe_task(unit, bundle_root, run_id: str | None = None) -> UnitOutcome:
+    """The Dask task for one probe-sweep unit (:attr:`UnitKind.PROBE`). Returns its
+    :class:`~.outcome.UnitOutcome` like :func:`run_unit` (``records``: the record fingerprints written).
 
     Runs :func:`~.probe_unit.run_probe_unit` inside ``distributed.worker_client()``: the task
     leaves the worker's thread pool while the sweep's (replicate, split) tasks run on the cluster,
@@ -373,5 +371,4 @@ def run_probe_task(unit, bundle_root, run_id: str | None = None) -> dict:
         store.clear_failure(unit.fingerprint)  # success lives under per-record fingerprints
     except StoreWriteError as exc:
         return _record_failure(store, unit, exc, run_id=run_id, started=t0)
-    return {"fingerprint": unit.fingerprint, "label": unit.label, "status": "done", "records": written,
-            "seconds": time.perf_counter() - t0, "worker_pid": os.getpid()}
+    return UnitOutcome.done(unit, records=tuple(written), seconds=time.perf_counter() - t0, worker_pid=os.getpid())

@@ -6,7 +6,7 @@ tilesets, views and their content fingerprints, and from the job's parameters), 
 (with ``encoders = []`` in the job), a rewritten shard, a changed view or changed parameters all
 show up as pending units. When some pending unit is *new work* -- its fingerprint has not already
 failed in an earlier run -- it prints what it found (grouped by reason, see
-:func:`~.status.pending_reasons`) and runs the job (:func:`~.execute.run_job`, which also retries
+:func:`~.status.pending_reasons`) and runs the job (:func:`~.run.run_job`, which also retries
 the units that failed before). Pending units that only repeat a known failure do not trigger a
 run: their inputs did not change, so running them again would fail the same way (``cachescore
 run`` retries them on request).
@@ -29,7 +29,8 @@ from ..errors import RunAborted
 from ..jobs import load_job
 from ..store import ResultsStore
 from ..store.lock import StoreLockedError
-from .execute import _say, ensure_demo_cache, run_job
+from .messages import say
+from .run import ensure_demo_cache, run_job
 from .plan import plan_job
 from .status import pending_reasons
 
@@ -40,7 +41,7 @@ __all__ = ["WatchPoll", "poll_job", "watch_job"]
 class WatchPoll:
     """One poll: ``new`` (pending units that are new work, each ``{"label", "fingerprint",
     "reason"}``), ``known_failures`` (pending units whose fingerprint already failed) and the
-    :class:`~.execute.RunSummary` of the run it started (None when it started none); ``error``
+    :class:`~.run.RunSummary` of the run it started (None when it started none); ``error``
     says why a run could not happen (the store locked by another run or not writable, the cluster lost;
     the next poll tries again)."""
 
@@ -82,7 +83,7 @@ def watch_job(job_or_path, *, interval: float = 300.0, max_runs: int | None = No
         ``[cluster] kind`` override for the runs (exclusive with ``scheduler``).
     out, progress : where the poll lines go; ``progress`` also sends each run's progress bar there.
     run : callable, optional
-        Replaces :func:`~.execute.run_job` (same signature); ``run_kwargs`` are passed to it.
+        Replaces :func:`~.run.run_job` (same signature); ``run_kwargs`` are passed to it.
 
     Returns the list of :class:`WatchPoll` (one per poll). Job-level errors (unreadable job file,
     missing cache) raise; failed units do not (they are in each poll's summary and the store).
@@ -97,39 +98,43 @@ def watch_job(job_or_path, *, interval: float = 300.0, max_runs: int | None = No
     while max_runs is None or n < int(max_runs):
         n += 1
         job = load_job(job_or_path) if isinstance(job_or_path, (str, Path)) else job_or_path
-        ensure_demo_cache(job, out)
-        if not Path(job.cache).is_dir():
-            raise FileNotFoundError(f"{job.path or '<job>'}: cache folder not found: {job.cache}")
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        try:
-            new, known = poll_job(job)
-        except OSError as exc:  # the store cannot be read or written now (disk full, a mount gone)
-            polls.append(WatchPoll(poll=n, new=[], known_failures=[], error=str(exc)))
-            _say(out, f"[{stamp}] poll {n}: not run: {exc}; trying again at the next poll")
-            if max_runs is None or n < int(max_runs):
-                sleep(float(interval))
-            continue
-        poll = WatchPoll(poll=n, new=new, known_failures=known)
-        if new:
-            by_reason = Counter(r["reason"] for r in new)
-            _say(out, f"[{stamp}] poll {n}: {len(new)} unit(s) to score ("
-                      + ", ".join(f"{c} {reason}" for reason, c in sorted(by_reason.items())) + ")")
-            for r in new:
-                _say(out, f"  {r['reason']}: {r['label']}")
-            try:
-                poll.summary = run(job, scheduler=scheduler, cluster=cluster, out=out if progress else None,
-                                   **run_kwargs)
-            except (StoreLockedError, RunAborted, OSError) as exc:  # store locked or unwritable, cluster gone
-                poll.error = str(exc)
-                _say(out, f"[{stamp}] poll {n}: not run: {exc}; trying again at the next poll")
-            else:
-                s = poll.summary
-                _say(out, f"[{stamp}] poll {n}: run {s.run_id} executed {s.executed}, succeeded {s.succeeded}, "
-                          f"failed {len(s.failures)}")
-        else:
-            extra = f" ({len(known)} known failure(s) not retried)" if known else ""
-            _say(out, f"[{stamp}] poll {n}: up to date{extra}")
-        polls.append(poll)
+        polls.append(_poll_once(job, n, run, out=out, run_out=out if progress else None,
+                                run_kwargs=dict(run_kwargs, scheduler=scheduler, cluster=cluster)))
         if max_runs is None or n < int(max_runs):
             sleep(float(interval))
     return polls
+
+
+def _poll_once(job, n: int, run: Callable, *, out, run_out, run_kwargs: dict) -> WatchPoll:
+    """Poll ``job`` once (poll number ``n``) and run it when there is new work; says each step on
+    ``out``. Store and cluster troubles end the poll with ``error`` (the next poll tries again);
+    a missing cache raises."""
+    ensure_demo_cache(job, out)
+    if not Path(job.cache).is_dir():
+        raise FileNotFoundError(f"{job.path or '<job>'}: cache folder not found: {job.cache}")
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    try:
+        new, known = poll_job(job)
+    except OSError as exc:  # the store cannot be read or written now (disk full, a mount gone)
+        say(out, f"[{stamp}] poll {n}: not run: {exc}; trying again at the next poll")
+        return WatchPoll(poll=n, new=[], known_failures=[], error=str(exc))
+    poll = WatchPoll(poll=n, new=new, known_failures=known)
+    if not new:
+        extra = f" ({len(known)} known failure(s) not retried)" if known else ""
+        say(out, f"[{stamp}] poll {n}: up to date{extra}")
+        return poll
+    by_reason = Counter(r["reason"] for r in new)
+    say(out, f"[{stamp}] poll {n}: {len(new)} unit(s) to score ("
+             + ", ".join(f"{c} {reason}" for reason, c in sorted(by_reason.items())) + ")")
+    for r in new:
+        say(out, f"  {r['reason']}: {r['label']}")
+    try:
+        poll.summary = run(job, out=run_out, **run_kwargs)
+    except (StoreLockedError, RunAborted, OSError) as exc:  # store locked or unwritable, cluster gone
+        poll.error = str(exc)
+        say(out, f"[{stamp}] poll {n}: not run: {exc}; trying again at the next poll")
+        return poll
+    s = poll.summary
+    say(out, f"[{stamp}] poll {n}: run {s.run_id} executed {s.executed}, succeeded {s.succeeded}, "
+             f"failed {len(s.failures)}")
+    return poll

@@ -8,8 +8,8 @@ The job schema (:mod:`cachescore.jobs.schema`) reads the ``[probe]`` table throu
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Callable
 
 import numpy as np
 import pandas as pd
@@ -24,30 +24,6 @@ __all__ = ["PROBE_KEYS", "PROBE_METRICS", "ProbeParams", "ProbeParamsError", "Ro
 #: :data:`cachescore.metrics.families.FAMILIES` (display: APD, nIPD).
 PROBE_METRICS = families.names(families.PROBE)
 
-#: Keys of the ``[probe]`` table, with their meaning (``*`` = required).
-PROBE_KEYS: dict[str, str] = {
-    "schedule": "* PathoROB name ('camelyon' | 'tcga' | 'tolkach_esca') or a list of splits, each "
-                "{split_map = [[i, j, take], ...], max_train_slides = n}; take = training ROWS of "
-                "cell (confounder i, class j), a multiple of rows_per_slide; balanced split first",
-    "rows_per_slide": "* rows (tiles) per slide; every in-domain slide must hold exactly this many rows",
-    "n_splits": "walk only the first n splits of a named schedule (default: all)",
-    "iterations": "replicates (columns of the matrices), default 20",
-    "seed": "base seed of the replicate seeds, default 1000",
-    "validation_fraction": "validation rows per cell as a fraction of its training rows "
-                           "(default: PathoROB's take / max_train_slides)",
-    "confounder_column": "view column holding the confounder (default: the view's confounder column)",
-    "confounder_order": "confounder values in index order (default: sorted unique in-domain values)",
-    "class_order": "label values in index order (default: sorted unique in-domain labels)",
-    "id_filter": "{column, value | values}: the in-domain rows (default: every row no test set selects)",
-    "test_sets": "{name = {column, value | values}}: unseen-confounder test sets scored by every probe",
-    "group_levels": "{audit level = view column}; must include 'slide' (default {slide = 'group_id'})",
-    "protected_level": "the group level the split protects (default: the coarsest of patient > case > slide "
-                       "in group_levels); overlaps at coarser identity levels are warnings, not critical",
-    "tile_key": "view columns forming a tile's identity (default ['sample_id'])",
-    "temperature": "fit temperature scaling on each probe's validation rows (default false)",
-    "n_bins": "calibration bins (default 15)",
-}
-_REQUIRED = ("schedule", "rows_per_slide")
 _SELF = "ProbeParams"
 
 
@@ -176,82 +152,143 @@ def _schedule(where: str, key: str, value: Any, rows_per_slide: int) -> str | tu
     return tuple(out)
 
 
-def _normalise(d: Mapping, *, where: str, prefix: str) -> dict:
-    """Validate and normalise raw parameter values (the keys of :data:`PROBE_KEYS`)."""
-    k = lambda name: f"{prefix}{name}"  # noqa: E731
-    out: dict = {}
-    out["rows_per_slide"] = _int(where, k("rows_per_slide"), d.get("rows_per_slide"), minimum=1)
-    out["schedule"] = _schedule(where, k("schedule"), d.get("schedule"), out["rows_per_slide"])
-    n_splits = d.get("n_splits")
-    if n_splits is not None:
-        n_splits = _int(where, k("n_splits"), n_splits, minimum=1)
-        if not isinstance(out["schedule"], str):
-            raise ProbeParamsError(f"{where}: '{k('n_splits')}' applies to a named schedule only; "
-                                   "list only the splits you want instead")
+@dataclass(frozen=True)
+class Param:
+    """One ``[probe]`` key, declared on its :class:`ProbeParams` field (``metadata["param"]``):
+    its one-line ``doc``, whether it is ``required`` and ``normalise(ctx, key, value)``, which
+    checks a raw value (the field's default when the table omits it) and returns it normalised, or
+    raises :class:`ProbeParamsError` naming ``key`` (the dotted key). A normaliser reads other
+    keys through ``ctx.value(name)`` (normalised on demand), so a key may depend on another's."""
 
-        if n_splits > PATHOROB_SPLITS[out["schedule"]]:
-            raise _bad(where, k("n_splits"), f"at most {PATHOROB_SPLITS[out['schedule']]} for "
-                       f"{out['schedule']!r}", n_splits)
-    out["n_splits"] = n_splits
-    out["iterations"] = _int(where, k("iterations"), d.get("iterations", 20), minimum=1)
-    out["seed"] = _int(where, k("seed"), d.get("seed", 1000), minimum=0)
-    vf = d.get("validation_fraction")
-    if vf is not None:
-        if isinstance(vf, bool) or not isinstance(vf, (int, float, np.floating, np.integer)) \
-                or not 0.0 <= float(vf) < 1.0:
-            raise _bad(where, k("validation_fraction"), "a number in [0, 1)", vf)
-        vf = float(vf)
-    out["validation_fraction"] = vf
-    cc = d.get("confounder_column")
-    if cc is not None and (not isinstance(cc, str) or not cc.strip()):
-        raise _bad(where, k("confounder_column"), "a column name", cc)
-    out["confounder_column"] = None if cc is None else cc.strip()
-    for name in ("confounder_order", "class_order"):
-        v = d.get(name)
-        out[name] = None if v is None else _name_list(where, k(name), v)
-    idf = d.get("id_filter")
-    out["id_filter"] = None if idf is None else RowFilter.parse(idf, where=where, key=k("id_filter"))
-    ts = d.get("test_sets", {}) or {}
+    doc: str
+    normalise: Callable[["_Context", str, Any], Any]
+    required: bool = False
+
+
+class _Context:
+    """The raw table being validated, and the keys normalised so far (each once)."""
+
+    def __init__(self, raw: Mapping, defaults: Mapping, *, where: str, prefix: str):
+        self.raw, self.defaults, self.where, self.prefix = raw, defaults, where, prefix
+        self._done: dict = {}
+
+    def key(self, name: str) -> str:
+        return f"{self.prefix}{name}"
+
+    def value(self, name: str):
+        if name not in self._done:
+            param = _PARAMS[name]
+            self._done[name] = param.normalise(self, self.key(name), self.raw.get(name, self.defaults[name]))
+        return self._done[name]
+
+
+def _at_least(minimum: int):
+    def normalise(ctx, key, v):
+        return _int(ctx.where, key, v, minimum=minimum)
+    return normalise
+
+
+def _optional(normalise):
+    """``None`` stays None; any other value goes through ``normalise``."""
+    def wrapped(ctx, key, v):
+        return None if v is None else normalise(ctx, key, v)
+    return wrapped
+
+
+def _names(ctx, key, v):
+    return _name_list(ctx.where, key, v)
+
+
+def _row_filter(ctx, key, v):
+    return RowFilter.parse(v, where=ctx.where, key=key)
+
+
+def _schedule_param(ctx, key, v):
+    return _schedule(ctx.where, key, v, ctx.value("rows_per_slide"))
+
+
+def _n_splits(ctx, key, v):
+    n_splits = _int(ctx.where, key, v, minimum=1)
+    schedule = ctx.value("schedule")
+    if not isinstance(schedule, str):
+        raise ProbeParamsError(f"{ctx.where}: '{key}' applies to a named schedule only; "
+                               "list only the splits you want instead")
+    if n_splits > PATHOROB_SPLITS[schedule]:
+        raise _bad(ctx.where, key, f"at most {PATHOROB_SPLITS[schedule]} for {schedule!r}", n_splits)
+    return n_splits
+
+
+def _fraction(ctx, key, vf):
+    if isinstance(vf, bool) or not isinstance(vf, (int, float, np.floating, np.integer)) or not 0.0 <= float(vf) < 1.0:
+        raise _bad(ctx.where, key, "a number in [0, 1)", vf)
+    return float(vf)
+
+
+def _column(ctx, key, cc):
+    if not isinstance(cc, str) or not cc.strip():
+        raise _bad(ctx.where, key, "a column name", cc)
+    return cc.strip()
+
+
+def _pairs(ts) -> list | None:
+    """A table's items, or a list of 2-sequences as pairs; None for anything else."""
     if isinstance(ts, Mapping):
-        items = list(ts.items())
-    elif isinstance(ts, Sequence) and not isinstance(ts, str) and all(
+        return list(ts.items())
+    if isinstance(ts, Sequence) and not isinstance(ts, str) and all(
             isinstance(t, Sequence) and not isinstance(t, str) and len(t) == 2 for t in ts):
-        items = [tuple(t) for t in ts]
-    else:
-        raise _bad(where, k("test_sets"), "a table {name = {column, value}}", ts)
+        return [tuple(t) for t in ts]
+    return None
+
+
+def _test_sets(ctx, key, ts):
+    items = _pairs(ts or {})
+    if items is None:
+        raise _bad(ctx.where, key, "a table {name = {column, value}}", ts)
     tests = []
     for name, sel in items:
         if not isinstance(name, str) or not name.strip() or name in ("in_domain", "val"):
-            raise _bad(where, k("test_sets"), "names other than 'in_domain' and 'val' (reserved roles)", name)
-        tests.append((name, RowFilter.parse(sel, where=where, key=f"{k('test_sets')}.{name}")))
+            raise _bad(ctx.where, key, "names other than 'in_domain' and 'val' (reserved roles)", name)
+        tests.append((name, RowFilter.parse(sel, where=ctx.where, key=f"{key}.{name}")))
     if len({n for n, _ in tests}) != len(tests):
-        raise ProbeParamsError(f"{where}: '{k('test_sets')}' names a test set twice")
-    out["test_sets"] = tuple(tests)
-    gl = d.get("group_levels", {"slide": "group_id"})
+        raise ProbeParamsError(f"{ctx.where}: '{key}' names a test set twice")
+    return tuple(tests)
+
+
+def _group_levels(ctx, key, gl):
     items = list(gl.items()) if isinstance(gl, Mapping) else (list(gl) if isinstance(gl, (list, tuple)) else None)
     if not items or not all(isinstance(t, (tuple, list)) and len(t) == 2 and isinstance(t[0], str)
                             and isinstance(t[1], str) and t[0].strip() and t[1].strip() for t in items):
-        raise _bad(where, k("group_levels"), "a table {level = column} with a 'slide' level", gl)
+        raise _bad(ctx.where, key, "a table {level = column} with a 'slide' level", gl)
     levels = tuple((str(a).strip(), str(b).strip()) for a, b in items)
     if "slide" not in dict(levels):
-        raise ProbeParamsError(f"{where}: '{k('group_levels')}' must name the 'slide' level (the view column "
+        raise ProbeParamsError(f"{ctx.where}: '{key}' must name the 'slide' level (the view column "
                                f"whose rows form one slide), got {dict(levels)}")
     reserved = sorted({lvl for lvl, _ in levels} & {"row", "tile"})
     if reserved:
-        raise ProbeParamsError(f"{where}: '{k('group_levels')}' uses reserved level name(s) {reserved}")
-    out["group_levels"] = levels
-    pl = d.get("protected_level")
-    if pl is not None and (not isinstance(pl, str) or pl.strip() not in dict(levels)):
-        raise _bad(where, k("protected_level"), f"one of the group levels {sorted(dict(levels))}", pl)
-    out["protected_level"] = None if pl is None else pl.strip()
-    tk = d.get("tile_key", ("sample_id",))
-    out["tile_key"] = _name_list(where, k("tile_key"), [tk] if isinstance(tk, str) else tk)
-    temp = d.get("temperature", False)
-    if not isinstance(temp, (bool, np.bool_)):
-        raise _bad(where, k("temperature"), "true or false", temp)
-    out["temperature"] = bool(temp)
-    out["n_bins"] = _int(where, k("n_bins"), d.get("n_bins", 15), minimum=2)
-    return out
+        raise ProbeParamsError(f"{ctx.where}: '{key}' uses reserved level name(s) {reserved}")
+    return levels
+
+
+def _protected_level(ctx, key, pl):
+    levels = dict(ctx.value("group_levels"))
+    if not isinstance(pl, str) or pl.strip() not in levels:
+        raise _bad(ctx.where, key, f"one of the group levels {sorted(levels)}", pl)
+    return pl.strip()
+
+
+def _tile_key(ctx, key, tk):
+    return _name_list(ctx.where, key, [tk] if isinstance(tk, str) else tk)
+
+
+def _flag(ctx, key, v):
+    if not isinstance(v, (bool, np.bool_)):
+        raise _bad(ctx.where, key, "true or false", v)
+    return bool(v)
+
+
+def _param(doc: str, normalise, *, required: bool = False, **kw):
+    """A :class:`ProbeParams` field declaring its ``[probe]`` key (``kw``: the field's default)."""
+    return field(metadata={"param": Param(doc, normalise, required)}, **kw)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -266,26 +303,45 @@ class ProbeParams:
     tuples of pairs, in the given order.
     """
 
-    schedule: Any
-    rows_per_slide: int
-    n_splits: int | None = None
-    iterations: int = 20
-    seed: int = 1000
-    validation_fraction: float | None = None
-    confounder_column: str | None = None
-    confounder_order: tuple[str, ...] | None = None
-    class_order: tuple[str, ...] | None = None
-    id_filter: RowFilter | None = None
-    test_sets: Any = ()
-    group_levels: Any = (("slide", "group_id"),)
-    protected_level: str | None = None
-    tile_key: Any = ("sample_id",)
-    temperature: bool = False
-    n_bins: int = 15
+    schedule: Any = _param(
+        "PathoROB name ('camelyon' | 'tcga' | 'tolkach_esca') or a list of splits, each "
+        "{split_map = [[i, j, take], ...], max_train_slides = n}; take = training ROWS of "
+        "cell (confounder i, class j), a multiple of rows_per_slide; balanced split first",
+        _schedule_param, required=True)
+    rows_per_slide: int = _param("rows (tiles) per slide; every in-domain slide must hold exactly this many rows",
+                                 _at_least(1), required=True)
+    n_splits: int | None = _param("walk only the first n splits of a named schedule (default: all)",
+                                  _optional(_n_splits), default=None)
+    iterations: int = _param("replicates (columns of the matrices), default 20", _at_least(1), default=20)
+    seed: int = _param("base seed of the replicate seeds, default 1000", _at_least(0), default=1000)
+    validation_fraction: float | None = _param(
+        "validation rows per cell as a fraction of its training rows (default: PathoROB's take / max_train_slides)",
+        _optional(_fraction), default=None)
+    confounder_column: str | None = _param(
+        "view column holding the confounder (default: the view's confounder column)", _optional(_column), default=None)
+    confounder_order: tuple[str, ...] | None = _param(
+        "confounder values in index order (default: sorted unique in-domain values)", _optional(_names), default=None)
+    class_order: tuple[str, ...] | None = _param(
+        "label values in index order (default: sorted unique in-domain labels)", _optional(_names), default=None)
+    id_filter: RowFilter | None = _param(
+        "{column, value | values}: the in-domain rows (default: every row no test set selects)",
+        _optional(_row_filter), default=None)
+    test_sets: Any = _param("{name = {column, value | values}}: unseen-confounder test sets scored by every probe",
+                            _test_sets, default=())
+    group_levels: Any = _param("{audit level = view column}; must include 'slide' (default {slide = 'group_id'})",
+                               _group_levels, default=(("slide", "group_id"),))
+    protected_level: str | None = _param(
+        "the group level the split protects (default: the coarsest of patient > case > slide in group_levels); "
+        "overlaps at coarser identity levels are warnings, not critical", _optional(_protected_level), default=None)
+    tile_key: Any = _param("view columns forming a tile's identity (default ['sample_id'])", _tile_key,
+                           default=("sample_id",))
+    temperature: bool = _param("fit temperature scaling on each probe's validation rows (default false)", _flag,
+                               default=False)
+    n_bins: int = _param("calibration bins (default 15)", _at_least(2), default=15)
 
     def __post_init__(self):
         raw = {f.name: getattr(self, f.name) for f in fields(self)}
-        for name, value in _normalise(raw, where=_SELF, prefix="").items():
+        for name, value in _validated(raw, where=_SELF, prefix="").items():
             object.__setattr__(self, name, value)
 
     @classmethod
@@ -311,10 +367,10 @@ class ProbeParams:
         if not isinstance(d, Mapping):
             raise ProbeParamsError(f"{source}: '{prefix or 'probe'}' must be a table, got {type(d).__name__}")
         _check_keys(source, dotted, d, tuple(PROBE_KEYS))
-        for key in _REQUIRED:
-            if key not in d:
-                raise ProbeParamsError(f"{source}: missing required key '{dotted}{key}' ({PROBE_KEYS[key][2:]})")
-        return cls(**_normalise(d, where=source, prefix=dotted))
+        for key, param in _PARAMS.items():
+            if param.required and key not in d:
+                raise ProbeParamsError(f"{source}: missing required key '{dotted}{key}' ({param.doc})")
+        return cls(**_validated(d, where=source, prefix=dotted))
 
     @classmethod
     def coerce(cls, params: ProbeParams | Mapping, *, source: str = "probe parameters") -> ProbeParams:
@@ -350,3 +406,18 @@ class ProbeParams:
     def matrix_names(self) -> list[str]:
         """Names of the matrices a sweep produces: ``in_domain`` then the test sets."""
         return ["in_domain", *(n for n, _ in self.test_sets)]
+
+
+#: ``[probe]`` key -> its :class:`Param`, in field order (declared on :class:`ProbeParams`).
+_PARAMS: dict[str, Param] = {f.name: f.metadata["param"] for f in fields(ProbeParams)}
+_DEFAULTS: dict[str, Any] = {f.name: None if f.default is MISSING else f.default for f in fields(ProbeParams)}
+
+#: Keys of the ``[probe]`` table, with their meaning (``*`` = required); read from the fields.
+PROBE_KEYS: dict[str, str] = {name: ("* " if p.required else "") + p.doc for name, p in _PARAMS.items()}
+
+
+def _validated(raw: Mapping, *, where: str, prefix: str) -> dict:
+    """Every :class:`ProbeParams` field, normalised by its declared :class:`Param` (the one
+    validator of the ``[probe]`` table; a key the table omits takes the field's default)."""
+    ctx = _Context(raw, _DEFAULTS, where=where, prefix=prefix)
+    return {name: ctx.value(name) for name in _PARAMS}

@@ -1,0 +1,42 @@
+"""The run's tidy tables, built from what is stored and published in the store (ADR-0009).
+
+``cachescore run`` publishes after every run (whatever its ending) and ``cachescore scores`` builds
+the same tables without writing: both go through :func:`build_results`, so the leaderboard and
+``<store>/scores.parquet`` never disagree.
+"""
+
+from __future__ import annotations
+
+from typing import TextIO
+
+from ..cache import Cache
+from ..store import CorruptRecordError
+from .scores import probe_centre_table, probe_table, score_table
+from .tables import publish_tables
+
+__all__ = ["build_results", "publish_results"]
+
+
+def build_results(store, cache_root, fingerprints, *, bootstrap: dict | None, min_support: float) -> tuple:
+    """``(scores, probe, probe_centres)``: the tidy tables of the records ``fingerprints`` (a
+    job's current records) in ``store``, scored against the cache at ``cache_root`` with the job's
+    ``[metrics] bootstrap`` and ``[report] min_support``. Records the store lacks are left out;
+    nothing is written. Raises what the tables raise for bad inputs (``ValueError``) or a damaged
+    record (:class:`~cachescore.store.CorruptRecordError`)."""
+    scores = score_table(store, Cache(cache_root), fingerprints, bootstrap=bootstrap, min_support=float(min_support))
+    return scores, probe_table(store, fingerprints), probe_centre_table(store, fingerprints)
+
+
+def publish_results(store, cache_root, fingerprints, *, bootstrap: dict | None, min_support: float,
+                    out: TextIO | None = None) -> dict:
+    """Rebuild ``<store>/scores.parquet`` and ``<store>/probe.parquet`` (and the per-centre probe
+    table) from :func:`build_results` and write them atomically. Returns ``{"scores": path,
+    "probe": path, ...}``, or ``{}`` when a table could not be built or written (the reason is
+    printed on ``out``; the stored records are untouched and the next run tries again)."""
+    try:
+        tables = build_results(store, cache_root, fingerprints, bootstrap=bootstrap, min_support=min_support)
+        return {k: str(v) for k, v in publish_tables(store.path, *tables).items()}
+    except (ValueError, OSError, CorruptRecordError) as exc:  # bad inputs or a damaged record: say so, go on
+        if out is not None:
+            print(f"results tables not written: {type(exc).__name__}: {exc}", file=out, flush=True)
+        return {}
