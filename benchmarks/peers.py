@@ -75,7 +75,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from cachescore.cache import Cache  # noqa: E402
+from cachescore.cache import Cache, RowSource  # noqa: E402
 from cachescore.cache.synthetic import make_scale_cache  # noqa: E402
 from cachescore.neighbors.ann import cross_group_knn_ann_with_recall  # noqa: E402
 from cachescore.neighbors.exact import cross_group_knn  # noqa: E402
@@ -124,7 +124,7 @@ def ours_large(root, view, codes, k, target, workers, seed, workdir, table="cros
     from cachescore.neighbors.large_scope import LargeScopeSearch, ScopeRows
 
     groups, labels, conf = codes
-    rows = ScopeRows(cache_root=str(root), encoder="enc0", tileset=view.attrs["tileset"],
+    rows = ScopeRows(embeddings=RowSource(str(root), "enc0", view.attrs["tileset"]),
                      tile_rows=view["row"].to_numpy(dtype=np.int64), groups=groups, labels=labels, confounders=conf,
                      source="peers")
     scratch = Path(tempfile.mkdtemp(prefix="peers-large-", dir=workdir))

@@ -21,11 +21,11 @@ from cachescore.cache import Cache, write_embeddings, write_view
 from cachescore.cache.writer import write_tileset
 from cachescore.neighbors import large_scope as ls
 from cachescore.neighbors.ann import AnnSearch
-from cachescore.neighbors.base import Searcher
+from cachescore.neighbors.base import Searcher, call_search, scope_aware
 from cachescore.neighbors.exact_search import ExactSearch
 from cachescore.neighbors.normalize import normalize_rows
 from cachescore.neighbors.recall import distance_tol
-from cachescore.neighbors.registry import in_memory_searcher
+from cachescore.neighbors.registry import ENGINE_NAMES, OUT_OF_CORE, in_memory_searcher, searcher_for
 
 N, D, K, M = 420, 12, 9, 4
 
@@ -95,23 +95,62 @@ def client():
 
 
 def _exact(tmp_path, client, x, groups, labels, confs):
-    return ExactSearch(), normalize_rows(x)
+    return searcher_for({"backend": "exact"}), normalize_rows(x)
 
 
 def _ann(tmp_path, client, x, groups, labels, confs):
-    return AnnSearch({"seed": 0, "recall_target": 1.0, "recall_sample": 1000}), normalize_rows(x)
+    return searcher_for({"backend": "ann", "seed": 0, "recall_target": 1.0, "recall_sample": 1000}), normalize_rows(x)
 
 
 def _out_of_core(tmp_path, client, x, groups, labels, confs):
     root = tmp_path / "cache"
     _write_cache(root, x, groups, labels, confs)
     view = Cache(root).read_view("all")
-    rows = ls.ScopeRows(cache_root=str(root), encoder="enc", tileset="ts", tile_rows=view["row"].to_numpy(),
+    rows = ls.ScopeRows(embeddings=Cache(root).row_source("enc", "ts"), tile_rows=view["row"].to_numpy(),
                         groups=groups, labels=labels, confounders=confs, source="conformance")
-    return ls.LargeScopeSearch(client, {"s0": rows}, tmp_path / "scratch", exact=True), np.zeros((N, 0), np.float32)
+    searcher = searcher_for({"backend": "exact", "engine": OUT_OF_CORE, "seed": 0}, client=client, scopes={"s0": rows},
+                            scratch=tmp_path / "scratch")
+    return searcher, np.zeros((N, 0), np.float32)
 
 
+#: Builders of every engine the registry makes, each through ``registry.searcher_for``.
 ENGINES = {"exact": _exact, "ann": _ann, "out_of_core": _out_of_core}
+
+
+def test_the_suite_covers_every_engine_of_the_registry():
+    assert sorted(ENGINES) == sorted(ENGINE_NAMES)
+
+
+def test_searcher_for_builds_each_engine_with_one_set_of_defaults(tmp_path):
+    assert type(searcher_for({"backend": "exact"})) is ExactSearch
+    assert type(searcher_for({"backend": "ann", "seed": 0, "recall_target": 0.9, "recall_sample": 10})) is AnnSearch
+    fake_client = object()  # the out-of-core engine only stores it until a search runs
+    exact = searcher_for({"backend": "exact", "engine": OUT_OF_CORE, "seed": 4}, client=fake_client, scopes={},
+                         scratch=tmp_path)
+    assert isinstance(exact, ls.LargeScopeSearch) and exact.exact and exact.seed == 4 and exact.target == 1.0
+    ann = searcher_for({"backend": "ann", "engine": OUT_OF_CORE, "seed": 1, "recall_target": 0.95,
+                        "recall_sample": 300}, client=fake_client, scopes={}, scratch=tmp_path)
+    assert not ann.exact and ann.target == 0.95 and ann.n_recall_queries == 300 and ann.seed == 1
+    with pytest.raises(ValueError, match="needs the run's client, its scopes and a scratch folder"):
+        searcher_for({"backend": "exact", "engine": OUT_OF_CORE, "seed": 0})
+    with pytest.raises(ValueError, match="unknown neighbour backend 'nope'"):
+        searcher_for({"backend": "nope", "engine": OUT_OF_CORE, "seed": 0}, client=fake_client, scopes={},
+                     scratch=tmp_path)
+
+
+def test_the_metrics_pass_the_scope_reference_to_a_scope_aware_engine_only():
+    seen = []
+
+    @scope_aware
+    def aware(u, groups, k, *, scope):
+        seen.append(scope)
+        return "aware"
+
+    def plain(u, groups, k):  # croma's contract: no scope keyword
+        return "plain"
+
+    assert call_search(aware, None, None, 3, scope="centre_A") == "aware" and seen == ["centre_A"]
+    assert call_search(plain, None, None, 3, scope="centre_A") == "plain"
 
 
 @pytest.fixture(params=sorted(ENGINES))

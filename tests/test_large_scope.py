@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from cachescore.cache import Cache, write_embeddings, write_view
+from cachescore.cache import Cache, RowSource, write_embeddings, write_view
 from cachescore.cache.writer import write_tileset
 from cachescore.jobs import parse_job
 from cachescore.manifest import prepare
@@ -120,8 +120,9 @@ def scope_rows(root, view, design, encoder="enc0"):
     prepared = prepare(frame, confounder_column="centre", evaluation_design=design)
     tile_rows = frame["row"].to_numpy()
     return prepared, {
-        f"s{i}": ls.ScopeRows(cache_root=str(root), encoder=encoder, tileset="ts", tile_rows=tile_rows[sc.rows],
-                              groups=sc.groups, labels=sc.labels, confounders=sc.confounders, source=f"{view}/{sc.subset}")
+        f"s{i}": ls.ScopeRows(embeddings=RowSource(str(root), encoder, "ts"), tile_rows=tile_rows[sc.rows],
+                              groups=sc.groups, labels=sc.labels, confounders=sc.confounders, source=f"{view}/{sc.subset}",
+                              name=sc.subset)
         for i, sc in enumerate(prepared.scopes)
     }, tile_rows
 
@@ -191,12 +192,20 @@ def test_paired_scopes_are_searched_separately(cache_root, client, tmp_path):
     prepared, scopes, tile_rows = scope_rows(root, "paired", "paired_2x2")
     assert len(prepared.scopes) == 3
     search = ls.LargeScopeSearch(client, scopes, tmp_path / "scratch", exact=True)
-    for sc in prepared.scopes:
+    for sc in reversed(prepared.scopes):  # a scope is found by its reference, in any order
         u = normalize_rows(arrays["enc0"][tile_rows[sc.rows]])
-        idx, dist = search.cross(None, sc.groups, 10)
+        idx, dist = search.cross(None, sc.groups, 10, scope=sc.subset)
         np.testing.assert_array_equal(np.asarray(idx), cross_group_knn(u, sc.groups, 10)[0])
-    with pytest.raises(LookupError, match="no large scope"):
-        search.cross(None, np.zeros(5, dtype=np.int64), 3)
+    again = prepared.scopes[0]  # asked again (RI/MaRI may): the same scope, its tables reused
+    np.testing.assert_array_equal(np.asarray(search.cross(None, again.groups, 10, scope=again.subset)[0]),
+                                  cross_group_knn(normalize_rows(arrays["enc0"][tile_rows[again.rows]]), again.groups,
+                                                  10)[0])
+    with pytest.raises(LookupError, match="no large scope named 'nowhere'"):
+        search.cross(None, np.zeros(5, dtype=np.int64), 3, scope="nowhere")
+    with pytest.raises(LookupError, match="no large scope named None"):  # several scopes: a reference is needed
+        search.cross(None, again.groups, 3)
+    with pytest.raises(ValueError, match="passes 5 rows' codes"):
+        search.cross(None, np.zeros(5, dtype=np.int64), 3, scope=again.subset)
 
 
 class _SpyClient:
@@ -312,9 +321,9 @@ def test_pipeline_large_units_match_the_in_memory_api(cache_root, client, tmp_pa
     reads = []
     real_read = ls.read_scope_rows
 
-    def spy(cache_root, encoder, tileset, tile_rows, positions, source):
+    def spy(embeddings, tile_rows, positions, source):
         reads.append(len(tile_rows))
-        return real_read(cache_root, encoder, tileset, tile_rows, positions, source)
+        return real_read(embeddings, tile_rows, positions, source)
 
     def no_whole_view(unit):
         raise AssertionError("a large unit loaded its whole view")

@@ -3,6 +3,7 @@
 See ``docs/cache-layout.md``. Public names:
 
 * :class:`Cache` – read a cache folder (listings, views, lazy dask embeddings, fingerprints, validation);
+* :class:`RowSource` – one encoder × tileset by location: what a Dask task reads rows through;
 * :class:`ViewSpec`, :class:`EmbeddingMeta` – parsed sidecar / ``meta.json``;
 * :func:`write_tileset`, :func:`write_embeddings`, :func:`write_view` – atomic writers;
 * :func:`import_cache` – build a cache from per-encoder or per-slide arrays;
@@ -24,13 +25,14 @@ from .errors import (
 )
 from .importer import import_cache
 from .layout import EmbeddingMeta, ViewSpec
-from .reader import Cache
+from .reader import Cache, RowSource
 from .synthetic import make_demo_cache
 from .verify import PROBLEM_KINDS, Problem, verify_cache
 from .writer import write_embeddings, write_tileset, write_view
 
 __all__ = [
     "Cache",
+    "RowSource",
     "ViewSpec",
     "EmbeddingMeta",
     "write_tileset",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import dask.array as da
@@ -345,6 +346,12 @@ class Cache:
         name = f"cache-rows-{encoder}-{tileset}-" + tokenize(str(self.root), [s.sha256 for s in meta.shards], step, token)
         return _dask_array(name, tasks, (tuple(sizes), (meta.dim,)), meta.dtype)
 
+    def row_source(self, encoder: str, tileset: str) -> "RowSource":
+        """A picklable :class:`RowSource` of (``encoder``, ``tileset``) in this cache (nothing is read)."""
+        check_name("encoder", encoder)
+        check_name("tileset", tileset)
+        return RowSource(str(self.root), encoder, tileset)
+
     def load_rows(self, encoder: str, tileset: str, rows=None) -> np.ndarray:
         """Eager numpy array of tileset rows ``rows`` (int64 positions; None = all), for use inside a
         worker task. Shape ``(len(rows), dim)``, the cache's dtype."""
@@ -467,3 +474,23 @@ class Cache:
         if not isinstance(data, dict):
             raise LayoutError(f"{path} must hold a JSON object")
         return data
+
+
+@dataclass(frozen=True)
+class RowSource:
+    """One encoder's embeddings of one tileset, named by location only: a small frozen value
+    (three strings) that a Dask task receives and reads rows through, never an open cache. Each
+    call opens the cache afresh, so it pickles to any worker and holds no file handle.
+    :meth:`Cache.row_source` makes one."""
+
+    cache_root: str
+    encoder: str
+    tileset: str
+
+    def meta(self) -> EmbeddingMeta:
+        """The embeddings' parsed ``meta.json`` (:meth:`Cache.meta`)."""
+        return Cache(self.cache_root).meta(self.encoder, self.tileset)
+
+    def load_rows(self, rows) -> np.ndarray:
+        """Tileset rows ``rows`` (int64 positions) as an eager array (:meth:`Cache.load_rows`)."""
+        return Cache(self.cache_root).load_rows(self.encoder, self.tileset, rows)

@@ -36,6 +36,7 @@ from ..manifest import (
     normalize_design,
     prepare,
 )
+from ..neighbors.base import call_search
 from ..neighbors.normalize import normalize_rows
 from ..neighbors.typed import (
     count_within,
@@ -367,7 +368,7 @@ def _scope_neighbours(features, scope, m_max, *, typed_search, count_search, sch
     elif typed_search is typed_knn:
         so, os_ = typed_knn(u, scope.labels, scope.confounders, scope.groups, m_max, threads=threads)
     else:
-        so, os_ = typed_search(u, scope.labels, scope.confounders, scope.groups, m_max)
+        so, os_ = call_search(typed_search, u, scope.labels, scope.confounders, scope.groups, m_max, scope=scope.subset)
     so = np.ascontiguousarray(so, dtype=np.float64)
     os_ = np.ascontiguousarray(os_, dtype=np.float64)
     if so.shape != (n, m_max) or os_.shape != (n, m_max):

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..manifest import Scope
+from ..neighbors.base import call_search
 from ..neighbors.exact import farthest_rows
 from ..neighbors.fetch import MIN_NEIGHBOR_BUFFER, is_capped
 
@@ -119,7 +120,7 @@ def build_table(search, u: np.ndarray, scope: Scope, kmax: int) -> ScopeTable:
     sizes = np.bincount(scope.groups)
     longest = n - int(sizes[sizes > 0].min())
     width = max(1, min(int(kmax), longest))
-    idx, dist = search(u, scope.groups, width)
+    idx, dist = call_search(search, u, scope.groups, width, scope=scope.subset)
     idx = np.asarray(idx, dtype=np.int64)
     dist = np.asarray(dist, dtype=np.float64)
     if idx.shape != (n, width) or dist.shape != (n, width):

@@ -21,6 +21,13 @@ An engine must provide
     list of JSON-safe dicts, one per search call (sizes, probe fraction, timings), stored with the
     result as ``neighbour_search``; may be empty.
 
+``scope=`` (keyword)
+    The scope reference: the name of the metric's scope (``manifest.Scope.subset``). An engine
+    that finds a scope's rows itself (out of core: it never sees the vectors) marks its two
+    methods :func:`scope_aware`, and the metrics then call them with ``scope=`` (through
+    :func:`call_search`) instead of the engine re-identifying the scope from its codes; engines
+    that search the rows they are given take no scope, nor do croma-contract callables.
+
 Both methods may be called several times per unit (once per scope, and RI/MaRI may ask again);
 they raise ``ValueError`` for data they cannot search and
 :class:`~.recall.RecallTargetError` (a ``RuntimeError``) when a recall target is not met.
@@ -43,7 +50,22 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["Searcher"]
+__all__ = ["Searcher", "scope_aware", "call_search"]
+
+
+def scope_aware(method):
+    """Mark an engine's ``cross`` / ``typed`` as taking the scope reference ``scope=`` (see the
+    module docstring); returns ``method``."""
+    method.takes_scope = True
+    return method
+
+
+def call_search(search, *args, scope: str):
+    """``search(*args)`` for the metric's scope named ``scope``: the name is passed (``scope=``)
+    to a :func:`scope_aware` engine method only, never to a plain search callable."""
+    if getattr(search, "takes_scope", False):
+        return search(*args, scope=scope)
+    return search(*args)
 
 
 @runtime_checkable

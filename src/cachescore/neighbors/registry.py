@@ -5,7 +5,8 @@ or pynndescent graph, exact distances, measured recall) and ``"auto"`` (chosen p
 size by :func:`choose_backend`). Scopes of at least ``[neighbors] large_scope_rows`` rows are
 searched out of core (:mod:`cachescore.neighbors.large_scope`) with the resolved backend's
 exactness. The planner calls :func:`engine_params` (what a unit's fingerprinted parameters say
-about its engine); the runner calls :func:`is_out_of_core` and :func:`in_memory_searcher`.
+about its engine); the runner calls :func:`is_out_of_core` and :func:`searcher_for`, which builds
+every engine from a unit's parameters with one set of defaults.
 
 Every engine is a :class:`~.base.Searcher` (``cross`` / ``typed`` with the same return contracts,
 ``recall``, ``details``), so the metrics never branch on the engine; ``tests/test_engine_conformance.py``
@@ -27,6 +28,8 @@ __all__ = [
     "engine_params",
     "is_out_of_core",
     "in_memory_searcher",
+    "searcher_for",
+    "ENGINE_NAMES",
 ]
 
 #: ``params["engine"]`` of a unit searched out of core (a stored parameter: never rename it).
@@ -49,6 +52,10 @@ DEFAULT_AUTO_THRESHOLD = 1.2e12
 #: The in-memory engines by resolved backend name: (module, class), relative to this package; each
 #: class is built from a unit's parameters (``ExactSearch()`` takes none).
 _ENGINES = {"exact": ("exact_search", "ExactSearch"), "ann": ("ann", "AnnSearch")}
+
+#: Every engine :func:`searcher_for` builds (``tests/test_engine_conformance.py`` runs its suite
+#: over each): the in-memory ones by backend, and the out-of-core engine.
+ENGINE_NAMES = (*_ENGINES, "out_of_core")
 
 
 def _load(module: str, attr: str):
@@ -107,3 +114,28 @@ def in_memory_searcher(params: dict):
         raise ValueError(f"unknown neighbour backend {backend!r} in unit parameters; expected one of {sorted(_ENGINES)}")
     engine = _load(*_ENGINES[backend])
     return engine() if backend == "exact" else engine(params)
+
+
+#: The out-of-core engine's settings a unit's parameters may leave out (an exact unit carries no
+#: recall target; every out-of-core unit carries its ``seed``, :func:`engine_params`).
+_OUT_OF_CORE_DEFAULTS = {"recall_target": 1.0, "recall_sample": 1000}
+
+
+def searcher_for(params: dict, *, client=None, scopes: dict | None = None, scratch=None):
+    """The :class:`~.base.Searcher` of a unit with these parameters: out of core
+    (:class:`~.large_scope.LargeScopeSearch` on ``client``'s workers over ``scopes``,
+    ``{key: ScopeRows}`` each named by its metric scope, with artefacts under ``scratch``;
+    exact unless ``backend = "ann"``) when :func:`is_out_of_core`, else
+    :func:`in_memory_searcher`. Raises ``ValueError`` for an unknown backend or an out-of-core
+    unit without ``client``, ``scopes`` and ``scratch``."""
+    if not is_out_of_core(params):
+        return in_memory_searcher(params)
+    if client is None or scopes is None or scratch is None:
+        raise ValueError("an out-of-core unit's engine needs the run's client, its scopes and a scratch folder")
+    backend = params.get("backend", "exact")
+    if backend not in _ENGINES:
+        raise ValueError(f"unknown neighbour backend {backend!r} in unit parameters; expected one of {sorted(_ENGINES)}")
+    settings = {**_OUT_OF_CORE_DEFAULTS, **params}
+    engine = _load("large_scope", "LargeScopeSearch")
+    return engine(client, scopes, scratch, exact=backend != "ann", recall_target=float(settings["recall_target"]),
+                  n_recall_queries=int(settings["recall_sample"]), random_state=int(params["seed"]))

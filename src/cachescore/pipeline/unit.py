@@ -45,9 +45,9 @@ from ..cache import Cache
 from ..errors import DATA_ERRORS, UnscorableError
 from ..manifest import prepare
 from ..metrics import families
-from ..neighbors.large_scope import LargeScopeSearch, ScopeRows, scratch_dir
+from ..neighbors.large_scope import ScopeRows, scratch_dir
 from ..neighbors.normalize import compute_dtype
-from ..neighbors.registry import in_memory_searcher
+from ..neighbors.registry import searcher_for
 from ..store import ResultsStore
 from ..store.results import StoreWriteError
 from .outcome import UnitOutcome
@@ -151,7 +151,8 @@ def score_unit(unit, features: np.ndarray, manifest: pd.DataFrame, *, searcher=N
         confounder column, ``subset`` if present).
     searcher : cachescore.neighbors.base.Searcher, optional
         The neighbour engine (a ``LargeScopeSearch`` for large scopes). Default: the registry's
-        in-memory engine for ``params["backend"]`` (:func:`~cachescore.neighbors.registry.in_memory_searcher`).
+        engine for the unit's parameters (:func:`~cachescore.neighbors.registry.searcher_for`;
+        an in-memory one: an out-of-core unit is given its engine by :func:`score_large_unit`).
 
     Returns
     -------
@@ -168,7 +169,7 @@ def score_unit(unit, features: np.ndarray, manifest: pd.DataFrame, *, searcher=N
     """
     p = unit.params
     if searcher is None:
-        searcher = in_memory_searcher(p)
+        searcher = searcher_for(p)
     try:
         result = _compute(unit, features, manifest, searcher)
     except RuntimeError as exc:
@@ -197,7 +198,6 @@ def score_large_unit(unit, client) -> tuple[dict, pd.DataFrame]:
     embeddings from the cache; no process holds the ``n × d`` matrix. Same return value and errors
     as :func:`score_unit`.
     """
-    p = unit.params
     cache = Cache(unit.cache_root)
     with _VALIDATING[(str(unit.cache_root), unit.encoder, unit.tileset)]:  # driver threads share one pass
         meta = cache.validate_embeddings(unit.encoder, unit.tileset)
@@ -205,19 +205,13 @@ def score_large_unit(unit, client) -> tuple[dict, pd.DataFrame]:
     tile_rows = manifest["row"].to_numpy(dtype=np.int64)
     prepared = prepare(manifest, confounder_column=unit.confounder_column, evaluation_design=unit.design,
                        validate_subsets=False)
-    label = f"{unit.encoder}/{unit.view}"
+    label, rows = f"{unit.encoder}/{unit.view}", cache.row_source(unit.encoder, unit.tileset)
     scopes = {
-        f"scope-{i:03d}": ScopeRows(cache_root=unit.cache_root, encoder=unit.encoder, tileset=unit.tileset,
-                                    tile_rows=tile_rows[sc.rows], groups=sc.groups, labels=sc.labels,
-                                    confounders=sc.confounders, source=f"{label} scope {sc.subset!r}")
+        f"scope-{i:03d}": ScopeRows(embeddings=rows, tile_rows=tile_rows[sc.rows], groups=sc.groups, labels=sc.labels,
+                                    confounders=sc.confounders, source=f"{label} scope {sc.subset!r}", name=sc.subset)
         for i, sc in enumerate(prepared.scopes) if sc.n >= 2
     }
-    ann = p.get("backend") == "ann"
-    searcher = LargeScopeSearch(
-        client, scopes, scratch_dir(unit), exact=not ann,
-        recall_target=float(p.get("recall_target", 1.0)), n_recall_queries=int(p.get("recall_sample", 1000)),
-        random_state=int(p.get("seed", 0)),
-    )
+    searcher = searcher_for(unit.params, client=client, scopes=scopes, scratch=scratch_dir(unit))
     features = np.zeros((len(manifest), 0), dtype=compute_dtype(meta.dtype))
     return score_unit(unit, features, manifest, searcher=searcher)
 

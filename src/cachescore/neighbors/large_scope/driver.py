@@ -15,8 +15,8 @@ import numpy as np
 from distributed import Lock
 
 from ..._taskkeys import task_key
-from ...cache import Cache
 from ..._atomic import atomic_write, atomic_write_json, partial_path
+from ..base import scope_aware
 from ..blocked import gather_or_cancel
 from ..fetch import is_capped
 from ..normalize import compute_dtype
@@ -92,7 +92,8 @@ class LargeScopeSearch:
         The run's client (the unit is driven from the client process).
     scopes : dict
         ``{key: ScopeRows}`` for each scope the metric will ask for, in the metric's scope order;
-        a call is matched to its scope by the ``groups`` codes it passes (see :meth:`_scope_for`).
+        a call names its scope by the ``scope=`` reference the metrics pass (:attr:`ScopeRows.name`;
+        see :meth:`_scope_for`).
     scratch : path
         This unit's scratch folder for the scope artefacts (see module docstring).
     exact : bool
@@ -100,9 +101,11 @@ class LargeScopeSearch:
     recall_target, n_recall_queries, random_state, max_rounds
         As :func:`cachescore.neighbors.ann.cross_group_knn_ann_with_recall`.
 
-    Calls: ``search.cross(u, groups, kmax) -> (idx, dist)`` and
-    ``search.typed(u, labels, confounders, groups, m) -> (so_dist, os_dist)`` honour the exact
-    engines' contracts (``u`` is ignored: rows come from the cache); tables are memory-mapped.
+    Calls: ``search.cross(u, groups, kmax, scope=name) -> (idx, dist)`` and
+    ``search.typed(u, labels, confounders, groups, m, scope=name) -> (so_dist, os_dist)`` honour
+    the exact engines' contracts (``u`` is ignored: rows come from the cache; both are
+    :func:`~cachescore.neighbors.base.scope_aware`, so the metrics pass the scope's name); tables
+    are memory-mapped. Built by :func:`cachescore.neighbors.registry.searcher_for`.
     :attr:`recall` is the worst measured recall of all calls, :attr:`details` one dict per call.
     """
 
@@ -112,7 +115,7 @@ class LargeScopeSearch:
         self.exact, self.target = bool(exact), float(recall_target)
         self.n_recall_queries, self.seed, self.max_rounds = int(n_recall_queries), int(random_state), int(max_rounds)
         self.details: list[dict] = []
-        self._served: dict[str, set] = {}
+        self._by_name = {rows.name: key for key, rows in self.scopes.items() if rows.name is not None}
 
     @property
     def recall(self) -> float:
@@ -120,8 +123,9 @@ class LargeScopeSearch:
         return min(vals) if vals else float("nan")
 
     # -- the metric-facing callables ------------------------------------------------------------
-    def cross(self, u, groups, kmax):
-        key, rows = self._scope_for(groups, "cross")
+    @scope_aware
+    def cross(self, u, groups, kmax, *, scope=None):
+        key, rows = self._scope_for(scope, groups)
         if is_capped(int(kmax), rows.n, int(np.bincount(rows.groups).max())):
             # the cap rule needs every row's farthest scope row (windows.ScopeTable.far_is_cross),
             # which this engine does not compute: such a scope is tiny, score it in memory instead
@@ -132,28 +136,28 @@ class LargeScopeSearch:
         t = self._tables(key, rows, ("cross",), int(kmax))
         return t["cross_idx"], t["cross_dist"]
 
-    def typed(self, u, labels, confounders, groups, m):
-        key, rows = self._scope_for(groups, "typed")
+    @scope_aware
+    def typed(self, u, labels, confounders, groups, m, *, scope=None):
+        key, rows = self._scope_for(scope, groups)
         t = self._tables(key, rows, ("so", "os"), int(m))
         return t["so_dist"], t["os_dist"]
 
-    def _scope_for(self, groups, kind: str):
-        """The scope a metric's call is about. Scopes are matched by their codes; paired subsets
-        can share identical codes, so among equal ones the first not yet served for ``kind`` is
-        taken (the metrics search their scopes once each, in scope order). Raises ``LookupError``
-        when nothing matches or an ambiguous scope is asked for again."""
-        groups = np.asarray(groups)
-        same = [key for key, rows in self.scopes.items()
-                if rows.n == groups.size and np.array_equal(rows.groups, groups)]
-        if not same:
-            raise LookupError(f"no large scope of {groups.size} rows matches the metric's scope")
-        served = self._served.setdefault(kind, set())
-        fresh = [key for key in same if key not in served]
-        if not fresh and len(same) > 1:
-            raise LookupError(f"{len(same)} large scopes share these codes and all were served already")
-        key = fresh[0] if fresh else same[0]
-        served.add(key)
-        return key, self.scopes[key]
+    def _scope_for(self, scope, groups):
+        """``(key, rows)`` of the scope a metric's call names (``scope``: its
+        :attr:`ScopeRows.name`; None is the only scope of a one-scope engine). Raises
+        ``LookupError`` for a name it does not hold (or None with several scopes) and
+        ``ValueError`` when the call's ``groups`` do not have the scope's row count."""
+        if scope is None and len(self.scopes) == 1:
+            key = next(iter(self.scopes))
+        elif scope is not None and scope in self._by_name:
+            key = self._by_name[scope]
+        else:
+            raise LookupError(f"no large scope named {scope!r} (holds: {sorted(map(str, self._by_name))}); "
+                              "the metrics name each scope they search (scope=)")
+        rows = self.scopes[key]
+        if np.asarray(groups).size != rows.n:
+            raise ValueError(f"{rows.source}: the call passes {np.asarray(groups).size} rows' codes, the scope has {rows.n}")
+        return key, rows
 
     # -- artefacts --------------------------------------------------------------------------------
     def _lock(self, name):
@@ -184,13 +188,12 @@ class LargeScopeSearch:
         t0 = time.perf_counter()
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
-        meta = Cache(rows.cache_root).meta(rows.encoder, rows.tileset)
+        meta = rows.embeddings.meta()
         n, dim = rows.n, int(meta.dim)
         index = np.stack([rows.tile_rows, rows.groups, rows.labels, rows.confounders], axis=1).astype(np.int64)
         atomic_write(folder / "rows.npy", lambda fh: np.save(fh, index))
         del index
-        files = ScopeFiles(cache_root=str(rows.cache_root), encoder=rows.encoder, tileset=rows.tileset,
-                            source=rows.source, rows_path=str(folder / "rows.npy"))
+        files = ScopeFiles(embeddings=rows.embeddings, source=rows.source, rows_path=str(folder / "rows.npy"))
         c = max(1, math.ceil(n / tunables.ROWS_PER_CLUSTER))
         rng = np.random.default_rng([self.seed, 17])
         sample = np.sort(rng.choice(n, size=min(n, tunables.KMEANS_MAX_SAMPLE, max(tunables.KMEANS_MIN_SAMPLE, 48 * c)), replace=False))

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ...cache import RowSource
 from ...fingerprint import fingerprint
 from ..._atomic import atomic_write
 
@@ -113,20 +114,23 @@ def read_row_runs(path: str, runs, dim: int, dtype: np.dtype, offset: int, out: 
 class ScopeRows:
     """Where a scope's rows live and their integer codes (everything the driver needs but the vectors).
 
-    ``tile_rows`` (n,) int64: the tileset row of each scope position (view order within the scope);
-    ``groups``, ``labels``, ``confounders`` (n,) int codes; ``source`` names the scope in errors.
+    ``embeddings``: the encoder × tileset the rows are read from (a picklable
+    :class:`~cachescore.cache.RowSource`); ``tile_rows`` (n,) int64: the tileset row of each scope
+    position (view order within the scope);
+    ``groups``, ``labels``, ``confounders`` (n,) int codes; ``source`` names the scope in errors;
+    ``name`` is the metric's name of the scope (``manifest.Scope.subset``): the scope reference
+    the metrics pass (``scope=``) to find these rows.
     Held by the driver only: tasks read what they need from the scope's ``rows.npy`` (see
     :class:`ScopeFiles`), so no task receives an O(n) argument.
     """
 
-    cache_root: str
-    encoder: str
-    tileset: str
+    embeddings: RowSource
     tile_rows: np.ndarray
     groups: np.ndarray
     labels: np.ndarray
     confounders: np.ndarray
     source: str
+    name: str | None = None
 
     @property
     def n(self) -> int:
@@ -140,12 +144,11 @@ INDEX_COLUMNS = ("row", "group", "label", "confounder")
 
 @dataclass(frozen=True)
 class ScopeFiles:
-    """What a partition task needs to read a scope's rows: the cache location and the scope's
-    ``rows.npy`` ((n, 4) int64, :data:`INDEX_COLUMNS`, written once by the driver)."""
+    """What a partition task needs to read a scope's rows: the embeddings (a picklable
+    :class:`~cachescore.cache.RowSource`) and the scope's ``rows.npy`` ((n, 4) int64,
+    :data:`INDEX_COLUMNS`, written once by the driver)."""
 
-    cache_root: str
-    encoder: str
-    tileset: str
+    embeddings: RowSource
     source: str
     rows_path: str
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..._finite import nonfinite_rows
 from ..._threads import single_thread_blas
-from ...cache import Cache
+from ...cache import RowSource
 from ..._atomic import atomic_write
 from ..normalize import normalize_rows
 from ..partition import (
@@ -24,9 +24,10 @@ from . import (
 from .files import Layout, ScopeFiles, atomic_save_npz
 
 
-def read_scope_rows(cache_root, encoder, tileset, tile_rows, positions, source) -> np.ndarray:
-    """Task body: normalised rows of the scope ``positions`` (their tileset rows ``tile_rows``)."""
-    x = Cache(cache_root).load_rows(encoder, tileset, np.asarray(tile_rows, dtype=np.int64))
+def read_scope_rows(embeddings: RowSource, tile_rows, positions, source) -> np.ndarray:
+    """Task body: normalised rows of the scope ``positions`` (their tileset rows ``tile_rows``)
+    read from ``embeddings``; raises ``ValueError`` naming the scope rows that are not finite."""
+    x = embeddings.load_rows(np.asarray(tile_rows, dtype=np.int64))
     bad = nonfinite_rows(x)
     if bad.size:
         shown = [int(i) for i in np.asarray(positions)[bad[:5]]]
@@ -43,7 +44,7 @@ def read_scope_rows(cache_root, encoder, tileset, tile_rows, positions, source) 
 
 def sample_task(files: ScopeFiles, positions: np.ndarray, tile_rows: np.ndarray) -> np.ndarray:
     with single_thread_blas():
-        return read_scope_rows(files.cache_root, files.encoder, files.tileset, tile_rows, positions, files.source)
+        return read_scope_rows(files.embeddings, tile_rows, positions, files.source)
 
 
 def chunk_task(files: ScopeFiles, start: int, stop: int, centroids: np.ndarray, path: str, meta_path: str):
@@ -53,7 +54,7 @@ def chunk_task(files: ScopeFiles, start: int, stop: int, centroids: np.ndarray, 
     with single_thread_blas():
         index = files.index(start, stop)
         pos = np.arange(start, stop, dtype=np.int64)
-        u = read_scope_rows(files.cache_root, files.encoder, files.tileset, index[:, 0], pos, files.source)
+        u = read_scope_rows(files.embeddings, index[:, 0], pos, files.source)
         cl = assign_clusters(u, centroids)
         order = np.argsort(cl, kind="stable")
         bounds = np.searchsorted(cl[order], np.arange(centroids.shape[0] + 1)).astype(np.int64)
