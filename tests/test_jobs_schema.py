@@ -114,14 +114,31 @@ def test_shipped_job_files_are_valid(name):
     assert job.document["schema_version"] == SCHEMA_VERSION
 
 
-def test_demo_job_is_self_contained_and_matches_packaged_copy():
+def test_demo_job_is_self_contained_and_one_file():
+    """One demo job: the repository's ``jobs/demo.toml`` links to the package's, which
+    ``cachescore demo`` writes out (``cli.DEMO_JOB``)."""
     from cachescore.cli import DEMO_JOB
 
     job = load_job(REPO / "jobs" / "demo.toml")
     assert job.demo["synthesise"] is True
     assert set(job.views) == {"centre_all", "centre_paired"}
     assert set(job.metrics["families"]) == {"ri", "mari", "croma"}
-    assert tomllib.loads(DEMO_JOB) == tomllib.loads((REPO / "jobs" / "demo.toml").read_text(encoding="utf-8"))
+    link = REPO / "jobs" / "demo.toml"
+    assert link.is_symlink() and link.resolve() == (REPO / "src" / "cachescore" / "jobs" / "demo.toml").resolve()
+    assert DEMO_JOB == link.read_text(encoding="utf-8")
+    # its relative paths are the repository's, where the link is named
+    assert job.cache == REPO / "demo-cache" and job.store == REPO / "results" / "demo"
+
+
+def test_relative_paths_resolve_where_a_linked_job_file_is_named(tmp_path):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "here").mkdir()
+    target = tmp_path / "real" / "job.toml"
+    target.write_text('schema_version = 1\n[job]\nname = "j"\ncache = "c"\nstore = "s"\n', encoding="utf-8")
+    (tmp_path / "here" / "job.toml").symlink_to(target)
+    job = load_job(tmp_path / "here" / "job.toml")
+    assert job.cache == tmp_path / "here" / "c" and job.store == tmp_path / "here" / "s"
+    assert load_job(target).cache == tmp_path / "real" / "c"
 
 
 def test_template_documents_every_key():

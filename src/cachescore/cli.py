@@ -36,6 +36,7 @@ import os
 import signal
 import sys
 from collections import Counter
+from importlib import resources
 from pathlib import Path
 
 import pandas as pd
@@ -63,71 +64,9 @@ from ._atomic import atomic_write_bytes
 
 __all__ = ["main", "build_parser", "format_table", "DEMO_JOB"]
 
-#: The self-contained demo job (the same content as ``jobs/demo.toml`` in the repository).
-DEMO_JOB = """\
-# Self-contained demo: synthesises a small cache (4 encoders whose confounder strength grows
-# by construction, enc0 weakest ... enc3 strongest) on first use, then scores RI, MaRI and CRoMa
-# on both views and a PathoROB probe sweep (APD, nIPD) on centre_all, on a LocalCluster.
-# Run: cachescore run jobs/demo.toml
-schema_version = 1
-
-[job]
-name = "demo"
-cache = "../demo-cache"      # relative to this file
-store = "../results/demo"
-encoders = []                # all: enc0 .. enc3
-views = ["centre_all", "centre_paired"]
-design = "auto"              # centre_all -> all, centre_paired -> paired_2x2 (the views' hints)
-probe_views = ["centre_all"] # the probe sweep's view ([probe] below)
-
-[demo]
-synthesise = true
-seed = 0
-n_slides_per_cell = 3
-tiles_per_slide = 12
-dim = 32
-
-[metrics]
-families = ["ri", "mari", "croma"]
-
-[metrics.ri]
-k_candidates = [5, 11, 21]
-
-[metrics.mari]
-k_candidates = [5, 11, 21]
-tau = "auto"
-warn_tau = false
-
-[metrics.croma]
-m = [5]
-alpha = 0.10
-
-[neighbors]
-backend = "exact"
-
-[probe]                      # train on centres A, B; centre C is an unseen-confounder test set
-rows_per_slide = 12          # = tiles_per_slide
-iterations = 5
-id_filter = { column = "centre", values = ["A", "B"] }
-
-[probe.test_sets.centre_C]
-column = "centre"
-value = "C"
-
-[[probe.schedule]]           # balanced split: one slide of every (centre, class) cell
-split_map = [[0, 0, 12], [0, 1, 12], [1, 0, 12], [1, 1, 12]]
-max_train_slides = 1
-
-[[probe.schedule]]           # confounded split: class 0 only from centre A, class 1 only from B
-split_map = [[0, 0, 12], [1, 1, 12]]
-max_train_slides = 1
-
-[execution]
-n_workers = 2
-retries = 1
-dashboard = true
-performance_report = true
-"""
+#: The self-contained demo job: the package's ``jobs/demo.toml`` (the repository's ``jobs/demo.toml``
+#: links to that one file).
+DEMO_JOB = (resources.files("cachescore.jobs") / "demo.toml").read_text(encoding="utf-8")
 
 
 _CONTROL = {i: f"\\x{i:02x}" for i in range(32)} | {10: "\\n", 13: "\\r", 9: "\\t", 127: "\\x7f"}

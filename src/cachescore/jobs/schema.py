@@ -20,8 +20,8 @@ Layout of a job file (``schema_version = 1``)::
     [probe]      optional PathoROB probe sweep per encoder × probe view; its keys are
                  :data:`cachescore.probe.params.PROBE_KEYS`, validated by ``ProbeParams``
 
-Relative paths (``job.cache``, ``job.store``) are resolved against the job file's folder, so a
-job file can travel with its cache. ``print(describe_schema())`` lists every key.
+Relative paths (``job.cache``, ``job.store``) are resolved against the folder the job file is
+named in (a symbolic link's own folder, not its target's), so a job file can travel with its cache. ``print(describe_schema())`` lists every key.
 """
 
 from __future__ import annotations
@@ -363,7 +363,8 @@ def parse_job(doc: dict, *, path: str | Path | None = None) -> Job:
                 values[name] = list(key.default) if isinstance(key.default, list) else key.default
         full[section] = values
 
-    base = Path(path).resolve().parent if path is not None else Path.cwd()
+    # the folder the job file is named in, not where a symbolic link to it points (jobs/demo.toml)
+    base = Path(os.path.abspath(path)).parent if path is not None else Path.cwd()
     jobs = full["job"]
 
     def resolve(p: str) -> Path:
