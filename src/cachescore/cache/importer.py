@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 from ..manifest import coerce_manifest
 from .._atomic import atomic_replace_dir
 from .errors import AlignmentError, CacheError, CacheNotFoundError, LayoutError
-from .layout import FLOAT_DTYPES, check_name, embeddings_dir, tiles_path, view_sidecar_path
+from .layout import FLOAT_DTYPES, check_name, embeddings_dir, tiles_path, view_sidecar_path, writable_root
 from .reader import Cache
 from .writer import (
     VIEW_REQUIRED,
@@ -423,6 +423,7 @@ def import_cache(
     not match), :class:`NonFiniteError` (NaN/inf rows, by manifest row), ``FileExistsError`` (an
     encoder's different arrays or a view exist, no ``overwrite``).
     """
+    root = writable_root(root)  # a Cache opened read-only is refused before anything is read
     _check_names(layout, tileset, encoders, views)
     frame, source = read_manifest(manifest, text_columns=("sample_id", "image_path", slide_column))
     frame, tile_index_column = _tile_frame(frame.reset_index(drop=True), source, encoders, layout=layout,
@@ -430,7 +431,6 @@ def import_cache(
                                            h5_dataset=h5_dataset, follow_symlinks=follow_symlinks)
     plans = _read_plans(frame, source, encoders, layout=layout, slide_column=slide_column,
                         tile_index_column=tile_index_column, h5_dataset=h5_dataset, follow_symlinks=follow_symlinks)
-    root = Path(root)
     out = tileset_frame(tileset, frame)
     tiles_file = tiles_path(root, tileset)
     _check_targets(root, tileset, out, tiles_file, frame, views, source, overwrite=overwrite)

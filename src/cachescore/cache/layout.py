@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import CacheNotFoundError, LayoutError, ViewError
+from .errors import CacheError, CacheNotFoundError, LayoutError, ViewError
 
 __all__ = [
     "META_FORMAT",
@@ -66,6 +66,24 @@ def check_name(kind: str, name: object) -> str:
             f"invalid {kind} name {name!r}: use letters, digits and '_.+=@-', not starting with '.' or '-'"
         )
     return name
+
+
+#: How a cache may be opened (zarr-style): ``"r"`` reads only; ``"a"`` reads and lets the
+#: writers add to it (``write_tileset``, ``write_embeddings``, ``write_view``, ``import_cache``).
+CACHE_MODES = ("r", "a")
+
+
+def writable_root(root) -> Path:
+    """The folder a writer writes into: ``root`` itself (a path), or a
+    :class:`~cachescore.cache.Cache`'s folder when it was opened with ``mode="a"``. Raises
+    :class:`~.errors.CacheError` for a cache opened read-only (``mode="r"``), naming it."""
+    mode = getattr(root, "mode", None)
+    if mode is None:
+        return Path(root)
+    if mode != "a":
+        raise CacheError(f"cache {root.root} is open read-only (mode={mode!r}); nothing is written: open it with "
+                         "Cache.open(path, mode='a') to add to it")
+    return Path(root.root)
 
 
 def tiles_path(root: Path, tileset: str) -> Path:

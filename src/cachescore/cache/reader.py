@@ -34,6 +34,7 @@ from .errors import (
     ViewError,
 )
 from .layout import (
+    CACHE_MODES,
     EmbeddingMeta,
     ViewSpec,
     check_name,
@@ -90,13 +91,38 @@ class Cache:
     ----------
     root : str or Path
         The cache folder. It is not read until a method needs it.
+    mode : ``"r"`` (default) or ``"a"``
+        ``"r"``: nothing is ever written through this object (the writers refuse it, naming the
+        cache); ``"a"``: the writers (``write_tileset``, ``write_embeddings``, ``write_view``,
+        ``import_cache``) may be given it to add to the cache. No mode writes on construction;
+        :meth:`open` also checks the folder exists (``"r"``) or creates it (``"a"``).
     """
 
-    def __init__(self, root):
+    def __init__(self, root, mode: str = "r"):
+        if mode not in CACHE_MODES:
+            raise ValueError(f"cache mode must be one of {list(CACHE_MODES)}, got {mode!r}")
         self.root = Path(root)
+        self.mode = mode
+
+    @classmethod
+    def open(cls, root, mode: str = "r") -> "Cache":
+        """Open the cache at ``root``: ``mode="r"`` never writes and raises
+        :class:`CacheNotFoundError` when the folder does not exist; ``mode="a"`` creates the
+        folder if needed (the only write) and returns a cache the writers accept."""
+        cache = cls(root, mode)
+        if mode == "a":
+            cache.root.mkdir(parents=True, exist_ok=True)
+        else:
+            cache._require_root()
+        return cache
+
+    @property
+    def writable(self) -> bool:
+        """Whether the writers accept this cache (``mode="a"``)."""
+        return self.mode == "a"
 
     def __repr__(self) -> str:
-        return f"Cache({str(self.root)!r})"
+        return f"Cache({str(self.root)!r})" if self.mode == "r" else f"Cache({str(self.root)!r}, mode={self.mode!r})"
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Cache) and other.root == self.root

@@ -45,6 +45,7 @@ from .layout import (
     tiles_path,
     view_sidecar_path,
     view_table_path,
+    writable_root,
 )
 
 __all__ = [
@@ -159,7 +160,7 @@ def write_tileset(root, tileset: str, frame: pd.DataFrame, *, overwrite: bool = 
     if not isinstance(frame, pd.DataFrame):
         raise TypeError(f"tileset {tileset!r}: frame must be a pandas DataFrame, got {type(frame).__name__}")
     out = tileset_frame(tileset, frame)
-    path = tiles_path(Path(root), tileset)
+    path = tiles_path(writable_root(root), tileset)
     source = f"tileset {tileset!r}"
     _write_parquet(path, out, string_columns=("sample_id", "image_path"), overwrite=overwrite, source=source)
     return path
@@ -230,7 +231,7 @@ def write_embeddings_blocks(
     ``n_rows``. Stages with :func:`stage_embeddings_blocks`, then publishes by rename. Raises like
     :func:`write_embeddings`.
     """
-    root = Path(root)
+    root = writable_root(root)
     target = embeddings_dir(root, check_name("encoder", encoder), check_name("tileset", tileset))
     if target.exists() and not overwrite:
         raise FileExistsError(f"{target} already exists; pass overwrite=True to replace it")
@@ -259,7 +260,7 @@ def stage_embeddings_blocks(
     the caller publishes it (``atomic_replace_dir``) or removes it. ``ids`` are the tileset's
     normalised sample ids (the tileset need not be written yet). On any error the staging folder
     is removed and nothing else was touched. Raises like :func:`write_embeddings`."""
-    root = Path(root)
+    root = writable_root(root)
     check_name("encoder", encoder)
     check_name("tileset", tileset)
     source = source or f"embeddings of encoder {encoder!r}"
@@ -381,7 +382,7 @@ def write_view(root, view: str, frame: pd.DataFrame, *, tileset: str, confounder
     Raises :class:`ViewError` (missing columns, blank/unknown sample_id, naming rows),
     :class:`CacheNotFoundError` (tileset missing), ``FileExistsError`` (exists and not ``overwrite``).
     """
-    root = Path(root)
+    root = writable_root(root)
     check_name("view", view)
     check_name("tileset", tileset)
     source = f"view {view!r}"

@@ -47,6 +47,7 @@ from .._keys import (
 from ..metrics import families
 from ..neighbors.registry import DEFAULT_AUTO_THRESHOLD
 from ..probe.params import PROBE_KEYS, ProbeParams
+from ..store import default_bundles
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -403,7 +404,7 @@ def parse_job(doc: dict, *, path: str | Path | None = None) -> Job:
                  "kubernetes": dict(full["cluster.kubernetes"])},
         document=document,
         probe=probe,
-        bundles=resolve(jobs["bundles"]) if jobs["bundles"] else store / "bundles",
+        bundles=resolve(jobs["bundles"]) if jobs["bundles"] else default_bundles(store),
         probe_views=tuple(jobs["probe_views"]),
     )
 

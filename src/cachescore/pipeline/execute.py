@@ -31,7 +31,7 @@ from .interrupts import DeferredInterrupts
 from .logs import quiet_owned_cluster
 from .outcome import DONE, UnitOutcome
 from .plan import Plan, UnitKind
-from .unit import drive_large_unit, run_probe_task, run_unit, unit_annotation
+from .unit import drive_large_unit, run_probe_task, run_unit, unit_annotation, unit_scratch
 from .watchdog import Watchdog
 
 __all__ = ["execute_plan", "record_client_failure"]
@@ -208,7 +208,7 @@ def execute_plan(plan: Plan, client, *, store=None, retries: int = 2, out: TextI
         raise
     drivers.shutdown(wait=True)
     progress.close()
-    remove_scratch([u for u in pending if u.kind is UnitKind.LARGE])  # every unit of this run has ended
+    remove_scratch([unit_scratch(u) for u in pending if u.kind is UnitKind.LARGE])  # every unit has ended
     outcomes = [ended[u.fingerprint] for u in pending]
     return sum(o.status == DONE for o in outcomes), [o.failure() for o in outcomes if o.status != DONE]
 

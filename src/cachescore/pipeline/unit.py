@@ -32,6 +32,7 @@ import time
 import traceback
 from collections import defaultdict
 from datetime import datetime, timezone
+from pathlib import Path
 
 import dask
 import numpy as np
@@ -48,13 +49,13 @@ from ..metrics import families
 from ..neighbors.large_scope import ScopeRows, scratch_dir
 from ..neighbors.normalize import compute_dtype
 from ..neighbors.registry import searcher_for
-from ..store import ResultsStore
+from ..store import ResultsStore, scratch_path
 from ..store.results import StoreWriteError
 from .outcome import UnitOutcome
 from .plan import UnitKind, params_json
 from .probe_unit import run_probe_unit, write_probe_records
 
-__all__ = ["score_unit", "score_large_unit", "drive_large_unit", "run_unit", "run_probe_task",
+__all__ = ["score_unit", "score_large_unit", "drive_large_unit", "run_unit", "run_probe_task", "unit_scratch",
            "load_unit_inputs", "result_record", "unit_annotation"]
 
 
@@ -211,9 +212,14 @@ def score_large_unit(unit, client) -> tuple[dict, pd.DataFrame]:
                                     confounders=sc.confounders, source=f"{label} scope {sc.subset!r}", name=sc.subset)
         for i, sc in enumerate(prepared.scopes) if sc.n >= 2
     }
-    searcher = searcher_for(unit.params, client=client, scopes=scopes, scratch=scratch_dir(unit))
+    searcher = searcher_for(unit.params, client=client, scopes=scopes, scratch=unit_scratch(unit))
     features = np.zeros((len(manifest), 0), dtype=compute_dtype(meta.dtype))
     return score_unit(unit, features, manifest, searcher=searcher)
+
+
+def unit_scratch(unit) -> Path:
+    """The scratch folder of an out-of-core unit's scopes, under its store's scratch folder."""
+    return scratch_dir(unit, scratch_path(unit.store_root))
 
 
 def load_unit_inputs(unit) -> tuple[np.ndarray, pd.DataFrame]:

@@ -6,7 +6,9 @@ Public names: :func:`fingerprint` (sha256 of canonical JSON), :class:`ResultsSto
 
 from ..fingerprint import canonical_json, fingerprint
 from .results import (
+    BUNDLES_DIR,
     CENTRES_FILE,
+    SCRATCH_DIR,
     PROBE_FILE,
     REPORT_FILE,
     SCORES_FILE,
@@ -14,10 +16,12 @@ from .results import (
     CorruptRecordError,
     ResultsStore,
     StoreError,
+    default_bundles,
     is_store,
+    scratch_path,
 )
 from .schema import FAILURES_SCHEMA, SCORES_SCHEMA
 
 __all__ = ["fingerprint", "canonical_json", "ResultsStore", "StoreError", "CorruptRecordError",
            "SCORES_SCHEMA", "FAILURES_SCHEMA", "STORE_MARKER", "SCORES_FILE", "PROBE_FILE", "CENTRES_FILE",
-           "REPORT_FILE", "is_store"]
+           "REPORT_FILE", "BUNDLES_DIR", "SCRATCH_DIR", "is_store", "scratch_path", "default_bundles"]

@@ -9,6 +9,8 @@
       failures/<fp[:2]>/<fp>.json             # last failure of a unit (superseded by a success)
       runs/<run_id>/provenance.json           # versions, params, recall audit, ...
       runs/<run_id>/                          # + the Dask performance report HTML
+      bundles/                                # probe evaluation bundles (default [job] bundles)
+      scratch/                                # transient engine artefacts (out of core: scratch/large)
 
 Publication protocol of :meth:`ResultsStore.write_unit`: the per-unit Parquet is written under a
 unique name (atomic), then the envelope JSON, naming that file and its sha256, is written to a
@@ -55,7 +57,8 @@ from .schema import (
 )
 
 __all__ = ["ResultsStore", "StoreError", "CorruptRecordError", "StoreWriteError", "STORE_MARKER", "SCORES_FILE",
-           "PROBE_FILE", "CENTRES_FILE", "REPORT_FILE", "is_store"]
+           "PROBE_FILE", "CENTRES_FILE", "REPORT_FILE", "BUNDLES_DIR", "SCRATCH_DIR", "is_store", "scratch_path",
+           "default_bundles"]
 
 #: The files of a store's top level (the one place they are spelled; README "Reading results").
 STORE_MARKER = "store.json"
@@ -63,6 +66,20 @@ SCORES_FILE = "scores.parquet"
 PROBE_FILE = "probe.parquet"
 CENTRES_FILE = "probe_centres.parquet"
 REPORT_FILE = "report.html"
+#: The store's folders besides its records: probe bundles (unless the job puts them elsewhere) and
+#: engines' transient scratch.
+BUNDLES_DIR = "bundles"
+SCRATCH_DIR = "scratch"
+
+
+def scratch_path(store_root) -> Path:
+    """The store's scratch folder (engines keep transient artefacts below it); nothing is created."""
+    return Path(store_root) / SCRATCH_DIR
+
+
+def default_bundles(store_root) -> Path:
+    """Where a job's probe bundles go when ``[job] bundles`` is empty; nothing is created."""
+    return Path(store_root) / BUNDLES_DIR
 
 
 def is_store(path) -> bool:

@@ -41,7 +41,8 @@ of targets with their metadata (search); a task's arguments are paths, per-chunk
 memory does not grow with the scope). Memory of the driver: O(n) codes, cluster ids and
 positions, the metric's per-unit values, and the memory-mapped tables' pages.
 
-Scratch: ``<store>/scratch/large/<key>/<scope>/`` where ``key`` fingerprints the unit's inputs, design,
+Scratch: ``<store scratch>/large/<key>/<scope>/`` (the store's scratch folder is given by the caller,
+:func:`cachescore.store.scratch_path`) where ``key`` fingerprints the unit's inputs, design,
 confounder column, seed and code version (:func:`scratch_dir`), so concurrent units of one scope (RI and MaRI share a table)
 coordinate through a ``distributed.Lock`` per artefact and reuse what is complete (``done.json``
 written last; parts and tables written under temporary names and renamed). A run that is killed

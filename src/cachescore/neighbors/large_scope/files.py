@@ -31,24 +31,26 @@ CALIBRATION_QUERIES = 2000
 ENGINE_VERSION = 2  # 2: probe radius (was: probe fraction)
 
 
-def scratch_root(store_root) -> Path:
-    """The folder holding every large-scope artefact of a results store."""
-    return Path(store_root) / "scratch" / "large"
+def scratch_root(scratch) -> Path:
+    """The folder holding every large-scope artefact under a store's scratch folder ``scratch``
+    (the caller's: :func:`cachescore.store.scratch_path`; this engine does not know the store)."""
+    return Path(scratch) / "large"
 
 
-def scratch_dir(unit) -> Path:
-    """The scratch folder of a work unit's scopes: shared by every unit with the same inputs,
-    design, confounder column, seed and code version (RI and MaRI reuse one table)."""
+def scratch_dir(unit, scratch) -> Path:
+    """The scratch folder of a work unit's scopes under ``scratch`` (as :func:`scratch_root`):
+    shared by every unit with the same inputs, design, confounder column, seed and code version
+    (RI and MaRI reuse one table)."""
     key = fingerprint({"inputs": unit.inputs, "design": unit.design, "confounder": unit.confounder_column,
                        "code": unit.code_version, "seed": int(unit.params.get("seed", 0)),
                        "engine": ENGINE_VERSION})
-    return scratch_root(unit.store_root) / key
+    return scratch_root(scratch) / key
 
 
-def remove_scratch(units) -> None:
-    """Delete the scratch folders of ``units`` (work units searched out of core; call once none of
+def remove_scratch(folders) -> None:
+    """Delete the scratch ``folders`` of out-of-core units (:func:`scratch_dir`; call once none of
     them is running)."""
-    for d in {scratch_dir(u) for u in units}:
+    for d in set(folders):
         shutil.rmtree(d, ignore_errors=True)
 
 
