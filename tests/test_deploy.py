@@ -36,7 +36,7 @@ def test_daskcluster_manifest_is_generated_from_the_cluster_table():
     assert env["OPENBLAS_NUM_THREADS"] == "1" and env["NUMBA_CACHE_DIR"] == "/opt/numba-cache"
     assert worker["volumes"][0]["persistentVolumeClaim"]["claimName"] == "cachescore-data"
     job = load_job(K8S / "job.toml")
-    assert autoscaler["spec"] == {"cluster": "cachescore", "minimum": 0, "maximum": job.cluster["maximum_jobs"]}
+    assert autoscaler["spec"] == {"cluster": "cachescore", "minimum": 0, "maximum": job.cluster.maximum_jobs}
 
 
 def test_kubernetes_manifests_validate_against_the_schemas():

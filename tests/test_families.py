@@ -87,7 +87,7 @@ def test_a_registered_family_runs_plan_run_store_scores_report(tmp_path, toy_fam
     cache = tmp_path / "cache"
     make_demo_cache(cache, n_slides_per_cell=2, tiles_per_slide=5, dim=8, encoders=2, seed=3)
     job = _job(tmp_path, cache, ["ri", "nn1"])
-    assert job.metrics["nn1"] == {"k": 1}
+    assert job.metrics.family("nn1") == {"k": 1}
     plan = plan_job(job)
     labels = sorted(u.label for u in plan.pending)
     assert any(lab.endswith("/nn1") for lab in labels) and len(plan.pending) == 4

@@ -31,12 +31,12 @@ def test_minimal_job_gets_every_default(tmp_path):
     assert job.store == (tmp_path / "s").resolve()
     assert job.name == "job"
     assert job.encoders == () and job.views == () and job.design == "auto"
-    assert job.metrics["families"] == ("ri", "mari", "croma")
-    assert job.metrics["ri"]["k_candidates"] == [5, 11, 21]
-    assert job.metrics["mari"]["tau"] == "auto"
-    assert job.metrics["croma"] == {"m": [5], "alpha": 0.10, "start_k": 200, "k_growth_factor": 2.0}
-    assert job.neighbors["backend"] == "auto"
-    assert job.execution["retries"] == 2
+    assert job.metrics.families == ("ri", "mari", "croma")
+    assert job.metrics.family("ri")["k_candidates"] == [5, 11, 21]
+    assert job.metrics.family("mari")["tau"] == "auto"
+    assert job.metrics.family("croma") == {"m": [5], "alpha": 0.10, "start_k": 200, "k_growth_factor": 2.0}
+    assert job.neighbors.backend == "auto"
+    assert job.execution.retries == 2
     # the normalised document holds every key of every section
     for section, keys in SCHEMA.items():
         assert set(job.document[section]) == set(keys)
@@ -103,9 +103,9 @@ def test_typed_values_are_accepted(tmp_path):
     )
     job = load_job(write(tmp_path, text))
     assert job.encoders == ("enc1", "enc0") and job.design == "paired_2x2"
-    assert job.metrics["families"] == ("croma",)
-    assert job.metrics["mari"]["tau"] == 0.25 and job.metrics["croma"]["m"] == [1, 5, 20]
-    assert job.neighbors["auto_threshold"] == 1000 and job.execution["scheduler"] == "tcp://127.0.0.1:8786"
+    assert job.metrics.families == ("croma",)
+    assert job.metrics.family("mari")["tau"] == 0.25 and job.metrics.family("croma")["m"] == [1, 5, 20]
+    assert job.neighbors.auto_threshold == 1000 and job.execution.scheduler == "tcp://127.0.0.1:8786"
 
 
 @pytest.mark.parametrize("name", ["demo.toml", "template.toml"])
@@ -120,9 +120,9 @@ def test_demo_job_is_self_contained_and_one_file():
     from cachescore.cli import DEMO_JOB
 
     job = load_job(REPO / "jobs" / "demo.toml")
-    assert job.demo["synthesise"] is True
+    assert job.demo.synthesise is True
     assert set(job.views) == {"centre_all", "centre_paired"}
-    assert set(job.metrics["families"]) == {"ri", "mari", "croma"}
+    assert set(job.metrics.families) == {"ri", "mari", "croma"}
     link = REPO / "jobs" / "demo.toml"
     assert link.is_symlink() and link.resolve() == (REPO / "src" / "cachescore" / "jobs" / "demo.toml").resolve()
     assert DEMO_JOB == link.read_text(encoding="utf-8")
@@ -147,3 +147,28 @@ def test_template_documents_every_key():
         assert f"[{section}]" in text, section
         for name in keys:
             assert f"{name} =" in text, f"{section}.{name} missing from jobs/template.toml"
+
+
+def test_sections_are_typed_frozen_and_carry_their_keys():
+    """Issue 23, part 4: each table is a frozen dataclass whose fields carry the schema's Key; code
+    reads attributes; a section pickles and turns back into its table."""
+    import dataclasses
+    import pickle
+
+    from cachescore.jobs.schema import Cluster, Execution, Neighbors
+    from cachescore.jobs.sections import as_dict, key_of
+
+    job = load_job(REPO / "jobs" / "demo.toml")
+    for table, section in (("execution", job.execution), ("neighbors", job.neighbors), ("demo", job.demo),
+                           ("report", job.report), ("metrics.bootstrap", job.metrics.bootstrap),
+                           ("cluster.slurm", job.cluster.slurm), ("cluster.kubernetes", job.cluster.kubernetes)):
+        keys = {f.name: f.metadata["key"] for f in dataclasses.fields(section)}
+        assert keys == SCHEMA[table], table
+        assert as_dict(section) == job.document[table], table
+    assert key_of(Execution, "retries").default == 2 and key_of(Neighbors, "backend").check("nope")
+    assert job.execution.retries == 1 and job.neighbors.backend == "exact" and job.cluster.kind == "local"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        job.execution.retries = 5
+    assert pickle.loads(pickle.dumps(job)) == job
+    assert dataclasses.replace(job.cluster, kind="slurm").slurm == job.cluster.slurm
+    assert Cluster().kubernetes.namespace == "default"  # defaults come from the keys

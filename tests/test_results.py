@@ -20,6 +20,7 @@ from croma.metrics import bootstrap as ref
 
 from cachescore.cache import Cache, make_demo_cache, write_view
 from cachescore.jobs import load_job, parse_job
+from cachescore.jobs.sections import as_dict
 from cachescore.metrics import bootstrap as ours
 from cachescore.pipeline import plan_job, run_job
 from cachescore.results import SCORE_COLUMNS, score_table
@@ -262,12 +263,12 @@ def test_identical_encoders_share_their_rank_and_span_both_positions(demo, tmp_p
     store = ResultsStore(tmp_path / "store")
     job = plan_job(demo, store=store)
     fps = job.record_fingerprints()
-    df = score_table(store, Cache(demo.cache), fps, bootstrap=demo.metrics["bootstrap"])
+    df = score_table(store, Cache(demo.cache), fps, bootstrap=as_dict(demo.metrics.bootstrap))
     row = df[(df["metric"] == "croma") & (df["design"] == "all") & (df["encoder"] == "enc1")].iloc[0]
     twin = "f" * 64
     record = dict(store.record(row["fingerprint"]), encoder="enc1twin")
     store.write_unit(twin, record=record, per_unit=store.per_unit(row["fingerprint"]))
-    tied = score_table(store, Cache(demo.cache), fps + [twin], bootstrap=demo.metrics["bootstrap"])
+    tied = score_table(store, Cache(demo.cache), fps + [twin], bootstrap=as_dict(demo.metrics.bootstrap))
     part = tied[(tied["metric"] == "croma") & (tied["design"] == "all") & (tied["view"] == row["view"])]
     part = part.set_index("encoder")
     assert part.loc["enc1", "rank"] == part.loc["enc1twin", "rank"] == row["rank"]

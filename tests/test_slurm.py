@@ -168,10 +168,11 @@ def test_rescore_sbatch_script_runs_as_a_slurm_job(slurm, tmp_path):
 def test_pbs_job_script_is_generated_from_the_cluster_table():
     from dask_jobqueue.pbs import PBSJob
 
-    settings = {"queue": "short", "account": "lab", "cores": 4, "processes": 4, "memory": "16GiB",
-                "walltime": "02:00:00", "job_extra_directives": ["-m n"], "worker_extra_args": [],
-                "local_directory": "$TMPDIR", "interface": "", "scheduler_host": "login1", "python": "",
-                "log_directory": "", "resource_spec": "select=1:ncpus=4:mem=16GB"}
+    from cachescore.jobs.schema import Pbs
+
+    settings = Pbs(queue="short", account="lab", cores=4, processes=4, memory="16GiB", walltime="02:00:00",
+                   job_extra_directives=["-m n"], worker_extra_args=[], local_directory="$TMPDIR", interface="",
+                   scheduler_host="login1", python="", log_directory="", resource_spec="select=1:ncpus=4:mem=16GB")
     kwargs = batch_cluster_kwargs("pbs", settings)
     assert kwargs["scheduler_options"] == {"host": "login1", "dashboard_address": "127.0.0.1:0"}
     kwargs.pop("scheduler_options")

@@ -46,6 +46,7 @@ from .cache.views import make_view, parse_where
 from .errors import RunAborted, RunInterrupted
 from .jobs import describe_schema, load_job
 from .jobs.schema import CLUSTER_KINDS
+from .jobs.sections import as_dict
 from .metrics import families
 from ._jsonsafe import json_safe
 from .pipeline import plan_job, run_job, unit_status
@@ -310,7 +311,7 @@ def _cmd_compare(args) -> int:
     if _refuse_damaged(args.job, plan, store):
         return 2
     rows = compare_encoders(store, Cache(job.cache), plan.record_fingerprints(), args.encoder_a, args.encoder_b,
-                            view=args.view, metric=args.metric, bootstrap=job.metrics.get("bootstrap"))
+                            view=args.view, metric=args.metric, bootstrap=as_dict(job.metrics.bootstrap))
     if args.json:
         print(_json_rows(rows))
         return 0
@@ -318,7 +319,7 @@ def _cmd_compare(args) -> int:
                   win=r["win_fraction"]) for r in rows]
     print(format_table(shown, ["view", "design", "metric", "value_a", "value_b", "delta", "ci", "win", "verdict"]))
     print(f"delta = {args.encoder_b} - {args.encoder_a}; ci: paired cluster bootstrap over group_id "
-          f"({job.metrics['bootstrap']['n_boot']} replicates, level {job.metrics['bootstrap']['level']}); "
+          f"({job.metrics.bootstrap.n_boot} replicates, level {job.metrics.bootstrap.level}); "
           f"win: share of replicates where {args.encoder_b} scores higher")
     return 0
 

@@ -50,6 +50,7 @@ from .store import CENTRES_FILE, PROBE_FILE, SCORES_FILE, CorruptRecordError, Re
 from .report_figures import accuracy_curve_svg, centre_bars_svg, ecdf_svg, forest_svg, metric_axis, reliability_svg
 from .results.bundles import bundle_facts
 from ._atomic import atomic_write_bytes
+from ._missing import is_missing
 
 __all__ = ["build_report"]
 
@@ -85,18 +86,9 @@ def _e(value) -> str:
     return "" if value is None else html.escape(str(value), quote=True)
 
 
-def _missing(value) -> bool:
-    if value is None or value is pd.NA or value is pd.NaT:
-        return True
-    try:
-        return bool(isinstance(value, (float, np.floating)) and math.isnan(value))
-    except TypeError:
-        return False
-
-
 def _num(value, digits: int = 4) -> str:
     """A table cell's text: floats with ``digits`` decimals, ints as such, missing as an em dash."""
-    if _missing(value):
+    if is_missing(value):
         return "—"
     if isinstance(value, (bool, np.bool_)):
         return _e(bool(value))
@@ -115,7 +107,7 @@ def _metric_name(metric) -> str:
 
 
 def _params(text) -> dict:
-    if _missing(text):
+    if is_missing(text):
         return {}
     try:
         out = json.loads(text)
@@ -168,7 +160,7 @@ def histogram_svg(values: np.ndarray, edges: np.ndarray, *, marks: dict | None =
                      f'</title></rect>')
     colours = ("#cf222e", "#8250df", "#1a7f37")
     for j, (label, v) in enumerate((marks or {}).items()):
-        if _missing(v) or not (lo <= float(v) <= hi):
+        if is_missing(v) or not (lo <= float(v) <= hi):
             continue
         x = x_of(v)
         parts.append(f'<line x1="{x:.2f}" x2="{x:.2f}" y1="{pad_t}" y2="{pad_t + plot_h}" stroke="{colours[j % 3]}" '
@@ -198,11 +190,11 @@ def _shared_edges(arrays: list[np.ndarray], bins: int) -> np.ndarray:
 # -- data selection ----------------------------------------------------------------------------
 def _group_key(row) -> tuple:
     family = families.lookup(row["metric"])
-    m = row["m"] if family is not None and family.unit_param and not _missing(row["m"]) else None
-    view, design, metric = ("" if _missing(row[c]) else str(row[c]) for c in ("view", "design", "metric"))
+    m = row["m"] if family is not None and family.unit_param and not is_missing(row["m"]) else None
+    view, design, metric = ("" if is_missing(row[c]) else str(row[c]) for c in ("view", "design", "metric"))
     order = families.order(metric)
     # probe records: one leaderboard per matrix (``scope``: in_domain or a test set)
-    scope = "" if design != "probe" or _missing(row.get("scope")) else str(row["scope"])
+    scope = "" if design != "probe" or is_missing(row.get("scope")) else str(row["scope"])
     return view, design, order, metric, -1 if m is None else int(m), scope
 
 
@@ -257,7 +249,7 @@ def _label(r) -> str:
 def _cell(r) -> str:
     if not r["defined"]:
         return f"<span class='muted' title='{_e(r['undefined_reason'])}'>undefined</span>"
-    ci = "" if _missing(r["ci_low"]) else f" <span class='muted'>[{_num(r['ci_low'], 3)}, {_num(r['ci_high'], 3)}]</span>"
+    ci = "" if is_missing(r["ci_low"]) else f" <span class='muted'>[{_num(r['ci_low'], 3)}, {_num(r['ci_high'], 3)}]</span>"
     flags = []
     if r["low_support"]:
         flags.append(f"<span class='bad' title='support {_num(r['support'], 3)}'>low support</span>")
@@ -454,7 +446,7 @@ def _leaderboard_html(groups: list[dict]) -> str:
     for gi, g in enumerate(groups):
         rows: pd.DataFrame = g["rows"]
         # std is the spread over a paired design's subsets: always 0 under ``all``, so not shown there
-        shown = [(c, h) for c, h in LEADERBOARD_COLUMNS if c in rows.columns and not rows[c].map(_missing).all()
+        shown = [(c, h) for c, h in LEADERBOARD_COLUMNS if c in rows.columns and not rows[c].map(is_missing).all()
                  and not (c == "std" and g["key"][1] == "all")]
         alpha = {_params(p).get("alpha") for p in rows["params"]} - {None}
         finite = rows["value"].to_numpy(dtype=float)
@@ -466,13 +458,13 @@ def _leaderboard_html(groups: list[dict]) -> str:
         body, classes = [], []
         for _, r in rows.iterrows():
             v = r["value"]
-            frac = 0.0 if _missing(v) or not np.isfinite(v) else (1.0 if hi <= lo else (float(v) - lo) / (hi - lo))
-            bar = f'<span class="bar" style="width:{4 + 80 * frac:.0f}px"></span>' if not _missing(v) else ""
+            frac = 0.0 if is_missing(v) or not np.isfinite(v) else (1.0 if hi <= lo else (float(v) - lo) / (hi - lo))
+            bar = f'<span class="bar" style="width:{4 + 80 * frac:.0f}px"></span>' if not is_missing(v) else ""
             cells = [_td(_num(r["_rank"]), num=True), _td(_e(r["encoder"])), _td(bar + _num(v), num=True)]
             cells += [_td(_num(r[c]) if c != "backend" else _e(r[c]), num=c != "backend") for c, _ in shown]
             cells.append(_td(f"<code title='{_e(r['fingerprint'])}'>{_e(str(r['fingerprint'])[:12])}</code>"))
             body.append(cells)
-            classes.append("nan" if _missing(v) else "")
+            classes.append("nan" if is_missing(v) else "")
         note = []
         if alpha:
             note.append("α = " + ", ".join(_e(a) for a in sorted(alpha, key=str)))
@@ -535,7 +527,7 @@ def _failures_html(failures: pd.DataFrame) -> str:
     headers = ["encoder", "view", "scope", "metric", "error", "run", "failed at", "fingerprint"]
     body = []
     for _, r in failures.iterrows():
-        metric = r["metric"] if not _missing(r["metric"]) else r["family"]
+        metric = r["metric"] if not is_missing(r["metric"]) else r["family"]
         body.append([_td(_e(r["encoder"])), _td(_e(r["view"])), _td(_e(r["scope"])), _td(_e(_metric_name(metric))),
                      _td(f"<pre>{_e(r['error'])}</pre>"), _td(_e(r["run_id"])), _td(_e(r["failed_at"])),
                      _td(f"<code title='{_e(r['fingerprint'])}'>{_e(str(r['fingerprint'])[:12])}</code>")])
@@ -604,7 +596,7 @@ def _provenance_html(store, scores: pd.DataFrame, out_html: Path) -> str:
     else:
         items = [("run", _e(run_id)), ("started", _or_dash(prov.get("started_at"))),
                  ("finished", _or_dash(prov.get("finished_at"))),
-                 ("wall time", _num(prov.get("seconds"), 1) + " s" if not _missing(prov.get("seconds")) else "—"),
+                 ("wall time", _num(prov.get("seconds"), 1) + " s" if not is_missing(prov.get("seconds")) else "—"),
                  ("job file", _or_dash(prov.get("job_path"))), ("cache", _or_dash(prov.get("cache"))),
                  ("store", _or_dash(prov.get("store"))), ("code version", _or_dash(prov.get("code_version"))),
                  ("units", _units_text(prov.get("units"))), ("dashboard", _or_dash(prov.get("dashboard")))]

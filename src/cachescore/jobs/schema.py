@@ -2,7 +2,8 @@
 
 A job names a cache, a results store and what to score in it. Every key is declared once, in
 :data:`SCHEMA`, with its type, default and one-line description; :func:`load_job` checks a file
-against it and returns a frozen :class:`Job`. Unknown keys, wrong types and out-of-range values
+against it and returns a frozen :class:`Job` whose tables are typed sections (frozen dataclasses
+built from the same keys, :mod:`.sections`; ``[probe]`` is :class:`~cachescore.probe.params.ProbeParams`). Unknown keys, wrong types and out-of-range values
 are errors (:class:`JobError`, a ``ValueError``) that name the file and the dotted key.
 
 Layout of a job file (``schema_version = 1``)::
@@ -48,6 +49,7 @@ from ..metrics import families
 from ..neighbors.registry import DEFAULT_AUTO_THRESHOLD
 from ..probe.params import PROBE_KEYS, ProbeParams
 from ..store import default_bundles
+from .sections import as_dict, section_class
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -59,6 +61,17 @@ __all__ = [
     "load_job",
     "parse_job",
     "describe_schema",
+    "Metrics",
+    "Demo",
+    "Bootstrap",
+    "Report",
+    "Neighbors",
+    "Execution",
+    "Cluster",
+    "Slurm",
+    "Pbs",
+    "Kubernetes",
+    "as_dict",
 ]
 
 #: The only job-file schema version this release reads.
@@ -240,10 +253,49 @@ def sections() -> dict[str, dict[str, Key]]:
 SCHEMA: dict[str, dict[str, Key]] = sections()
 
 
+def _section(name: str, table: str, **kw) -> type:
+    return section_class(name, table, _CORE[table], module=__name__, **kw)
+
+
+#: The typed sections (frozen dataclasses whose fields carry their :class:`Key`; :mod:`.sections`).
+Demo = _section("Demo", "demo")
+Bootstrap = _section("Bootstrap", "metrics.bootstrap")
+Report = _section("Report", "report")
+Neighbors = _section("Neighbors", "neighbors")
+Execution = _section("Execution", "execution")
+Slurm = _section("Slurm", "cluster.slurm")
+Pbs = _section("Pbs", "cluster.pbs")
+Kubernetes = _section("Kubernetes", "cluster.kubernetes")
+Cluster = _section("Cluster", "cluster", extra=(
+    ("slurm", Slurm, field(default_factory=Slurm)), ("pbs", Pbs, field(default_factory=Pbs)),
+    ("kubernetes", Kubernetes, field(default_factory=Kubernetes))))
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """The ``[metrics]`` table: the ``families`` to score (table order), their cluster
+    ``bootstrap`` settings and each neighbour family's validated ``[metrics.<name>]`` table,
+    which the family itself reads (:meth:`family`; a family's keys live in its table entry,
+    :data:`cachescore.metrics.families.FAMILIES`)."""
+
+    families: tuple = ()
+    bootstrap: Any = field(default_factory=Bootstrap)
+    tables: dict = field(default_factory=dict)
+
+    def family(self, name: str) -> dict:
+        """A copy of family ``name``'s validated table (every key of its section, defaults filled);
+        ``LookupError`` for a family the schema does not know."""
+        if name not in self.tables:
+            raise LookupError(f"no [metrics.{name}] table: known families {sorted(self.tables)}")
+        return dict(self.tables[name])
+
+
 @dataclass(frozen=True)
 class Job:
-    """A validated job. ``cache`` and ``store`` are absolute paths; sections are plain dicts with
-    every key of :data:`SCHEMA` present (defaults filled in)."""
+    """A validated job. ``cache`` and ``store`` are absolute paths; each table is a typed,
+    frozen section (``job.execution.retries``, ``job.cluster.slurm.cores``,
+    ``job.metrics.bootstrap.n_boot``) with every key of :data:`SCHEMA` present (defaults filled
+    in); :func:`~.sections.as_dict` gives a section's plain table."""
 
     path: Path | None
     name: str
@@ -252,15 +304,15 @@ class Job:
     encoders: tuple[str, ...]
     views: tuple[str, ...]
     design: str
-    demo: dict = field(default_factory=dict)
-    metrics: dict = field(default_factory=dict)
-    neighbors: dict = field(default_factory=dict)
-    execution: dict = field(default_factory=dict)
-    #: ``[cluster]``: ``kind``, ``minimum_jobs``, ``maximum_jobs`` and the per-kind tables
+    demo: Any = field(default_factory=Demo)
+    metrics: Metrics = field(default_factory=Metrics)
+    neighbors: Any = field(default_factory=Neighbors)
+    execution: Any = field(default_factory=Execution)
+    #: ``[cluster]``: ``kind``, ``minimum_jobs``, ``maximum_jobs`` and the per-kind sections
     #: (``slurm``, ``pbs``, ``kubernetes``).
-    cluster: dict = field(default_factory=dict)
+    cluster: Any = field(default_factory=Cluster)
     #: ``[report]``: how stored scores are flagged (``min_support``).
-    report: dict = field(default_factory=dict)
+    report: Any = field(default_factory=Report)
     #: The normalised document (all keys, defaults filled), as recorded in provenance.
     document: dict = field(default_factory=dict)
     #: Probe-sweep parameters (:class:`cachescore.probe.params.ProbeParams`) from the
@@ -372,11 +424,8 @@ def parse_job(doc: dict, *, path: str | Path | None = None) -> Job:
         q = Path(p).expanduser()
         return q if q.is_absolute() else (base / q).resolve()
 
-    metrics = {
-        "families": tuple(full["metrics"]["families"]),
-        **{name: dict(full[f"metrics.{name}"]) for name in families.names(families.NEIGHBOUR)},
-        "bootstrap": dict(full["metrics.bootstrap"]),
-    }
+    metrics = Metrics(families=tuple(full["metrics"]["families"]), bootstrap=Bootstrap(**full["metrics.bootstrap"]),
+                      tables={name: dict(full[f"metrics.{name}"]) for name in families.names(families.NEIGHBOUR)})
     document = {"schema_version": SCHEMA_VERSION, **full}
     probe = None
     if "probe" in doc:
@@ -395,13 +444,13 @@ def parse_job(doc: dict, *, path: str | Path | None = None) -> Job:
         encoders=tuple(jobs["encoders"]),
         views=tuple(jobs["views"]),
         design=jobs["design"],
-        demo=dict(full["demo"]),
+        demo=Demo(**full["demo"]),
         metrics=metrics,
-        neighbors=dict(full["neighbors"]),
-        execution=dict(full["execution"]),
-        report=dict(full["report"]),
-        cluster={**full["cluster"], "slurm": dict(full["cluster.slurm"]), "pbs": dict(full["cluster.pbs"]),
-                 "kubernetes": dict(full["cluster.kubernetes"])},
+        neighbors=Neighbors(**full["neighbors"]),
+        execution=Execution(**full["execution"]),
+        report=Report(**full["report"]),
+        cluster=Cluster(**full["cluster"], slurm=Slurm(**full["cluster.slurm"]), pbs=Pbs(**full["cluster.pbs"]),
+                        kubernetes=Kubernetes(**full["cluster.kubernetes"])),
         document=document,
         probe=probe,
         bundles=resolve(jobs["bundles"]) if jobs["bundles"] else default_bundles(store),

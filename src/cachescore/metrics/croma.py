@@ -47,10 +47,15 @@ from ..neighbors.typed import (
 from ..types import CRoMaResult
 from .tail import compute_tail_metrics, confounder_dominant_fraction
 
-__all__ = ["CROMA_HEADLINE_M", "SCHEDULE_NOT_COMPUTED", "CrossConfounderRobustnessMargin", "CRoMa", "croma_schedule", "TypedSearch"]
+__all__ = ["CROMA_HEADLINE_M", "CROMA_ALPHA", "CROMA_START_K", "CROMA_K_GROWTH", "SCHEDULE_NOT_COMPUTED", "CrossConfounderRobustnessMargin", "CRoMa", "croma_schedule", "TypedSearch"]
 
 #: Default (headline) number of typed neighbours averaged per type.
 CROMA_HEADLINE_M = 5
+#: croma 1.0.1's defaults of the lower-tail level and of the window schedule (declared once: the
+#: metric API's signatures and the job keys of ``[metrics.croma]`` both read them).
+CROMA_ALPHA = 0.10
+CROMA_START_K = 200
+CROMA_K_GROWTH = 2.0
 
 #: ``typed_search(u, labels, confounders, groups, m) -> (so_dist, os_dist)``, each (n, m) float64
 #: ascending and ``+inf`` padded; see :func:`cachescore.neighbors.typed.typed_knn`.
@@ -209,9 +214,9 @@ class CrossConfounderRobustnessMargin:
         confounder_column,
         evaluation_design="all",
         m=CROMA_HEADLINE_M,
-        alpha=0.10,
-        start_k=200,
-        k_growth_factor=2.0,
+        alpha=CROMA_ALPHA,
+        start_k=CROMA_START_K,
+        k_growth_factor=CROMA_K_GROWTH,
     ):
         """CRoMa of ``features`` (N, D) (numpy or row-chunked dask) over ``manifest`` (N rows).
 
@@ -249,9 +254,9 @@ class CrossConfounderRobustnessMargin:
         confounder_column,
         evaluation_design="all",
         m=CROMA_HEADLINE_M,
-        alpha=0.10,
-        start_k=200,
-        k_growth_factor=2.0,
+        alpha=CROMA_ALPHA,
+        start_k=CROMA_START_K,
+        k_growth_factor=CROMA_K_GROWTH,
         schedule_diagnostics=True,
         count_search=None,
         threads=None,

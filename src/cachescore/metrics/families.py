@@ -41,7 +41,6 @@ ci_method text)`` from the stored per-unit table and the view's shared cluster d
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -49,8 +48,9 @@ import numpy as np
 import pandas as pd
 
 from .._keys import NUM, Key, growth, int_list, open_unit, positive_int, tau
+from .._missing import as_float, is_missing
 from .bootstrap import balanced_median_replicates, pooled_ratio_replicates
-from .croma import CRoMa
+from .croma import CROMA_ALPHA, CROMA_HEADLINE_M, CROMA_K_GROWTH, CROMA_START_K, CRoMa
 from .mari import MaRI
 from .probe_reductions import nipd
 from .ri import RI
@@ -107,22 +107,11 @@ class Family:
     def display(self, m=None, scope=None) -> str:
         """Display name of one score: ``RI``, ``CRoMa (m=5)``, ``APD [centre_C]``."""
         out = self.label
-        if self.unit_param and m is not None and not _missing(m):
+        if self.unit_param and m is not None and not is_missing(m):
             out += f" ({self.unit_param}={int(m)})"
-        if self.kind == PROBE and scope is not None and not _missing(scope):
+        if self.kind == PROBE and scope is not None and not is_missing(scope):
             out += f" [{scope}]"
         return out
-
-
-def _missing(x) -> bool:
-    return x is None or (isinstance(x, float) and math.isnan(x)) or x is pd.NA
-
-
-def _nan(x) -> float:
-    try:
-        return float(x) if x is not None else float("nan")
-    except (TypeError, ValueError):
-        return float("nan")
 
 
 # -- RI and MaRI: pooled ratios over a cross-group window ----------------------------------------
@@ -131,7 +120,7 @@ def _k_list(section: Mapping) -> list[int]:
 
 
 def _ratio_record(result) -> tuple[dict, dict]:
-    fields = {"support": _nan(result.support), "n_defined": int(np.asarray(result.occurrence_defined_mask).sum()),
+    fields = {"support": as_float(result.support), "n_defined": int(np.asarray(result.occurrence_defined_mask).sum()),
               "k": int(result.k)}
     columns = {"defined": np.asarray(result.occurrence_defined_mask, dtype=bool),
                "undefined_type": np.asarray(result.sample_undefined_types).astype(str)}
@@ -182,7 +171,7 @@ def _mari_compute(params, features, manifest, *, confounder_column, design, sear
 
 def _mari_record(result) -> tuple[dict, dict]:
     fields, columns = _ratio_record(result)
-    return dict(fields, tau=_nan(getattr(result, "tau", None))), columns
+    return dict(fields, tau=as_float(getattr(result, "tau", None))), columns
 
 
 # -- CRoMa: typed margins ------------------------------------------------------------------------
@@ -204,7 +193,7 @@ def _croma_compute(params, features, manifest, *, confounder_column, design, sea
 def _croma_record(result) -> tuple[dict, dict]:
     values = np.asarray(result.sample_values_aligned, dtype=float)
     # CRoMa enforces total support (its result has no support field): 1.0, every unit defined.
-    return {"f0": _nan(result.f0), "support": 1.0, "k": int(result.k_final), "m": int(result.m),
+    return {"f0": as_float(result.f0), "support": 1.0, "k": int(result.k_final), "m": int(result.m),
             "n_defined": int(values.size)}, {}
 
 
@@ -286,12 +275,12 @@ _BUILTIN = (
            scope_problem=_k_problem("mari")),
     Family(name="croma", label="CRoMa", kind=NEIGHBOUR, unit_param="m", margins=True,
            doc="Confounder-robustness margin: median over units of (mean m nearest OS - mean m nearest SO distance).",
-           keys={"m": Key((list,), [5], "Typed neighbours averaged per unit; one result (one work unit) per m.",
-                          int_list),
-                 "alpha": Key(NUM, 0.10, "Lower-tail level for q_alpha / ltm_alpha.", open_unit),
-                 "start_k": Key((int,), 200, "croma's initial window (recorded; the exact typed search does not "
+           keys={"m": Key((list,), [CROMA_HEADLINE_M], "Typed neighbours averaged per unit; one result (one work unit) "
+                          "per m.", int_list),
+                 "alpha": Key(NUM, CROMA_ALPHA, "Lower-tail level for q_alpha / ltm_alpha.", open_unit),
+                 "start_k": Key((int,), CROMA_START_K, "croma's initial window (recorded; the exact typed search does not "
                                              "need it).", positive_int),
-                 "k_growth_factor": Key(NUM, 2.0, "croma's window growth factor (recorded, as start_k).", growth)},
+                 "k_growth_factor": Key(NUM, CROMA_K_GROWTH, "croma's window growth factor (recorded, as start_k).", growth)},
            units=_croma_units, compute=_croma_compute, record=_croma_record, replicates=_croma_replicates,
            scope_problem=_croma_problem),
     Family(name="apd", label="APD", kind=PROBE, evaluation_field="apd", replicates=_apd_replicates,
@@ -306,7 +295,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in _BUILTIN}
 
 def lookup(name) -> Family | None:
     """The family stored as ``metric = name``, or None."""
-    return FAMILIES.get(str(name)) if not _missing(name) else None
+    return FAMILIES.get(str(name)) if not is_missing(name) else None
 
 
 def get(name) -> Family:
@@ -332,7 +321,7 @@ def display(metric, m=None, scope=None) -> str:
     missing metric shows as itself / ``?``."""
     fam = lookup(metric)
     if fam is None:
-        return "?" if _missing(metric) else str(metric)
+        return "?" if is_missing(metric) else str(metric)
     return fam.display(m, scope)
 
 

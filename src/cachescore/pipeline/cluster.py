@@ -11,6 +11,7 @@ asked for one thread. The LocalCluster binds the scheduler, workers and dashboar
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import socket
 import sys
@@ -74,34 +75,34 @@ def _worker_environment() -> dict:
     return {**THREAD_ENV, "NUMBA_CACHE_DIR": numba_dir}
 
 
-def batch_cluster_kwargs(kind: str, settings: dict) -> dict:
+def batch_cluster_kwargs(kind: str, settings) -> dict:
     """dask-jobqueue arguments for ``kind`` (``"slurm"`` | ``"pbs"``) from the job's ``[cluster.<kind>]``
-    table: one thread per worker process (``cores`` shared by ``processes``), the worker environment
+    section (:class:`~cachescore.jobs.schema.Slurm` / ``Pbs``): one thread per worker process (``cores`` shared by ``processes``), the worker environment
     of :func:`_worker_environment` exported in the job script, this interpreter as the workers'
     python, and the scheduler on an address the compute nodes reach (``interface``, else
     ``scheduler_host``, else this host's name) with its dashboard on 127.0.0.1 (reach it through
     an ssh tunnel)."""
     c = settings
     kwargs = {
-        "cores": int(c["cores"]), "processes": int(c["processes"]), "memory": c["memory"], "walltime": c["walltime"],
-        "job_extra_directives": list(c["job_extra_directives"]), "worker_extra_args": list(c["worker_extra_args"]),
-        "python": c["python"] or sys.executable,
+        "cores": int(c.cores), "processes": int(c.processes), "memory": c.memory, "walltime": c.walltime,
+        "job_extra_directives": list(c.job_extra_directives), "worker_extra_args": list(c.worker_extra_args),
+        "python": c.python or sys.executable,
         "job_script_prologue": [f"export {k}={v}" for k, v in _worker_environment().items()],
-        "queue": c["queue"] or None, "account": c["account"] or None,
-        "local_directory": c["local_directory"] or None, "log_directory": c["log_directory"] or None,
+        "queue": c.queue or None, "account": c.account or None,
+        "local_directory": c.local_directory or None, "log_directory": c.log_directory or None,
     }
-    if c["interface"]:
-        kwargs["interface"] = c["interface"]
-        kwargs["scheduler_options"] = {"interface": c["interface"], "dashboard_address": "127.0.0.1:0"}
+    if c.interface:
+        kwargs["interface"] = c.interface
+        kwargs["scheduler_options"] = {"interface": c.interface, "dashboard_address": "127.0.0.1:0"}
     else:
-        kwargs["scheduler_options"] = {"host": c["scheduler_host"] or socket.gethostname(),
+        kwargs["scheduler_options"] = {"host": c.scheduler_host or socket.gethostname(),
                                        "dashboard_address": "127.0.0.1:0"}
-    if kind == "pbs" and c.get("resource_spec"):
-        kwargs["resource_spec"] = c["resource_spec"]
+    if kind == "pbs" and c.resource_spec:
+        kwargs["resource_spec"] = c.resource_spec
     return kwargs
 
 
-def _batch_cluster(kind: str, settings: dict):
+def _batch_cluster(kind: str, settings):
     # deferred: dask-jobqueue is only needed for batch clusters
     from dask_jobqueue import PBSCluster, SLURMCluster
 
@@ -112,62 +113,64 @@ def _batch_cluster(kind: str, settings: dict):
 CONTAINER_NUMBA_CACHE = "/opt/numba-cache"
 
 
-def kubernetes_manifests(cluster: dict) -> list[dict]:
-    """The dask-kubernetes operator resources of a job's ``[cluster]`` table: a ``DaskCluster``
+def kubernetes_manifests(cluster) -> list[dict]:
+    """The dask-kubernetes operator resources of a job's ``[cluster]`` section
+    (:class:`~cachescore.jobs.schema.Cluster`): a ``DaskCluster``
     (``make_cluster_spec``: scheduler and worker pods from ``[cluster.kubernetes]`` image,
     resources and env; workers with one thread, the single-thread BLAS environment and the image's
     warmed numba cache) and a ``DaskAutoscaler`` between ``minimum_jobs`` and ``maximum_jobs``
     pods (0 = 8). ``deploy/kubernetes/daskcluster.yaml`` is this function's output for
     ``deploy/kubernetes/job.toml`` (tested). Raises ``ValueError`` without an image, or when the
     optional dask-kubernetes is missing."""
-    k8s = cluster["kubernetes"]
-    if not k8s["image"]:
+    k8s = cluster.kubernetes
+    if not k8s.image:
         raise ValueError("[cluster.kubernetes] image is required for kind = 'kubernetes'")
     try:
         from dask_kubernetes.operator import make_cluster_spec  # deferred: the optional kubernetes extra
     except ImportError as exc:
         raise ValueError("[cluster] kind = 'kubernetes' needs the dask-kubernetes operator client: "
                          "pip install 'cachescore[kubernetes]'") from exc
-    env = {**THREAD_ENV, "NUMBA_CACHE_DIR": CONTAINER_NUMBA_CACHE, **{str(k): str(v) for k, v in k8s["env"].items()}}
-    spec = make_cluster_spec(name=k8s["name"], image=k8s["image"], n_workers=int(cluster["minimum_jobs"]),
-                             resources=dict(k8s["resources"]) or None, env=env)
-    spec["metadata"]["namespace"] = k8s["namespace"]
+    env = {**THREAD_ENV, "NUMBA_CACHE_DIR": CONTAINER_NUMBA_CACHE, **{str(k): str(v) for k, v in k8s.env.items()}}
+    spec = make_cluster_spec(name=k8s.name, image=k8s.image, n_workers=int(cluster.minimum_jobs),
+                             resources=dict(k8s.resources) or None, env=env)
+    spec["metadata"]["namespace"] = k8s.namespace
     spec["spec"]["worker"]["spec"]["containers"][0]["args"] += ["--nthreads", "1"]
     for role in ("scheduler", "worker"):
         pod = spec["spec"][role]["spec"]
         pod["securityContext"] = {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000}  # the image's user
-        if k8s["data_claim"]:  # the cache and the store, shared by every pod
-            pod["volumes"] = [{"name": "data", "persistentVolumeClaim": {"claimName": k8s["data_claim"]}}]
-            pod["containers"][0]["volumeMounts"] = [{"name": "data", "mountPath": k8s["data_mount"]}]
+        if k8s.data_claim:  # the cache and the store, shared by every pod
+            pod["volumes"] = [{"name": "data", "persistentVolumeClaim": {"claimName": k8s.data_claim}}]
+            pod["containers"][0]["volumeMounts"] = [{"name": "data", "mountPath": k8s.data_mount}]
     autoscaler = {"apiVersion": "kubernetes.dask.org/v1", "kind": "DaskAutoscaler",
-                  "metadata": {"name": k8s["name"], "namespace": k8s["namespace"]},
-                  "spec": {"cluster": k8s["name"], "minimum": int(cluster["minimum_jobs"]),
-                           "maximum": int(cluster["maximum_jobs"]) or 8}}
+                  "metadata": {"name": k8s.name, "namespace": k8s.namespace},
+                  "spec": {"cluster": k8s.name, "minimum": int(cluster.minimum_jobs),
+                           "maximum": int(cluster.maximum_jobs) or 8}}
     return [spec, autoscaler]
 
 
-def _kubernetes_cluster(cluster: dict):
+def _kubernetes_cluster(cluster):
     from dask_kubernetes.operator import KubeCluster  # deferred: the optional kubernetes extra
 
     spec = kubernetes_manifests(cluster)[0]
-    return KubeCluster(custom_cluster_spec=spec, namespace=cluster["kubernetes"]["namespace"])
+    return KubeCluster(custom_cluster_spec=spec, namespace=cluster.kubernetes.namespace)
 
 
 @contextlib.contextmanager
-def open_cluster_client(cluster: dict, *, maximum_jobs: int) -> Iterator[Client]:
-    """Start the job's batch or Kubernetes cluster (``[cluster] kind`` = slurm | pbs | kubernetes),
+def open_cluster_client(cluster, *, maximum_jobs: int) -> Iterator[Client]:
+    """Start the job's batch or Kubernetes cluster (``cluster``: its
+    :class:`~cachescore.jobs.schema.Cluster` section, ``kind`` = slurm | pbs | kubernetes),
     scale it adaptively between ``minimum_jobs`` and ``maximum_jobs`` worker jobs, yield a Client.
     Closing it cancels every worker job (none is left queued or running). Raises ``ValueError``
     for a kind this function does not start (``local``) or a missing optional dependency."""
-    kind = cluster["kind"]
+    kind = cluster.kind
     if kind in ("slurm", "pbs"):
-        deployment = _batch_cluster(kind, cluster[kind])
+        deployment = _batch_cluster(kind, getattr(cluster, kind))
     elif kind == "kubernetes":
         deployment = _kubernetes_cluster(cluster)
     else:
         raise ValueError(f"open_cluster_client starts slurm, pbs or kubernetes clusters, not {kind!r}")
     with _scheduler_config_restored(), deployment:
-        deployment.adapt(minimum_jobs=int(cluster["minimum_jobs"]), maximum_jobs=max(1, int(maximum_jobs)))
+        deployment.adapt(minimum_jobs=int(cluster.minimum_jobs), maximum_jobs=max(1, int(maximum_jobs)))
         with Client(deployment, set_as_default=False) as client:
             client.register_plugin(SingleThreadBLAS())
             yield client
@@ -254,10 +257,10 @@ def maximum_jobs(job, plan: Plan, kind: str | None = None) -> int:
     """``[cluster] maximum_jobs``, or (0) the plan's parallelism over the processes per job of
     ``kind`` (default the job's ``[cluster] kind``), at most 32."""
     c = job.cluster
-    kind = kind or c["kind"]
-    if int(c["maximum_jobs"]) > 0:
-        return int(c["maximum_jobs"])
-    per_job = int(c[kind]["processes"]) if kind in ("slurm", "pbs") else 1
+    kind = kind or c.kind
+    if int(c.maximum_jobs) > 0:
+        return int(c.maximum_jobs)
+    per_job = int(getattr(c, kind).processes) if kind in ("slurm", "pbs") else 1
     return max(1, min(32, -(-plan_parallelism(plan) // max(1, per_job))))
 
 
@@ -269,7 +272,7 @@ def client_for(job, plan: Plan, scheduler: str | None, cluster_kind: str, proces
     if scheduler:
         return open_client(scheduler)
     if cluster_kind != "local":
-        return open_cluster_client({**job.cluster, "kind": cluster_kind},
+        return open_cluster_client(dataclasses.replace(job.cluster, kind=cluster_kind),
                                    maximum_jobs=maximum_jobs(job, plan, cluster_kind))
-    return open_client(None, n_workers=ex["n_workers"], memory_limit=ex["memory_limit"], dashboard=ex["dashboard"],
+    return open_client(None, n_workers=ex.n_workers, memory_limit=ex.memory_limit, dashboard=ex.dashboard,
                        processes=processes)

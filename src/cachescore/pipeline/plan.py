@@ -30,6 +30,7 @@ from .._jsonsafe import json_default
 from ..cache import Cache
 from ..fingerprint import code_version, fingerprint
 from ..jobs.schema import Job
+from ..jobs.sections import as_dict
 from ..metrics import families
 from ..neighbors.registry import engine_params, is_out_of_core
 from ..store import ResultsStore
@@ -169,8 +170,8 @@ def unit_fingerprint(*, encoder, view, design, metric, confounder_column, params
 def _metric_params(job: Job) -> list[tuple[str, dict]]:
     """``[(family, unit parameters)]``: one entry per work unit of each requested family (in the
     job's order), expanded from its validated ``[metrics.<family>]`` section."""
-    return [(name, params) for name in job.metrics["families"]
-            for params in families.get(name).units(job.metrics[name])]
+    return [(name, params) for name in job.metrics.families
+            for params in families.get(name).units(job.metrics.family(name))]
 
 
 def _scope_rows(frame, design: str) -> int:
@@ -364,7 +365,7 @@ class _Planner:
 
     def _unit(self, enc, view, facts: _ViewFacts, metric, mparams, emb_fp, dim) -> WorkUnit:
         job, nb = self.job, self.job.neighbors
-        params = dict(mparams, **engine_params(nb["backend"], scope_rows=facts.scope_rows, dim=dim, neighbors=nb))
+        params = dict(mparams, **engine_params(nb.backend, scope_rows=facts.scope_rows, dim=dim, neighbors=as_dict(nb)))
         unit_inputs = {"embeddings": emb_fp, "view": facts.fingerprint}
         fp = unit_fingerprint(encoder=enc, view=view, design=facts.design, metric=metric,
                               confounder_column=facts.confounder, params=params, inputs=unit_inputs, code=self.code)

@@ -25,6 +25,7 @@ from distributed import performance_report
 
 from ..cache.synthetic import make_demo_cache
 from ..errors import RunAborted, RunInterrupted
+from ..jobs.sections import as_dict
 from ..monitoring import RunMonitor, page_url, unit_entry
 from ..results import build_results, publish_results
 from ..store import ResultsStore
@@ -77,19 +78,19 @@ def ensure_demo_cache(job, out: TextIO | None = sys.stderr) -> bool:
     not complete (``cache.json``, written last by the synthesiser, is missing: absent folder or an
     interrupted synthesis). Returns whether it was (re)created."""
     d = job.demo
-    if not d.get("synthesise") or (Path(job.cache) / "cache.json").exists():
+    if not d.synthesise or (Path(job.cache) / "cache.json").exists():
         return False
     say(out, f"synthesising demo cache at {job.cache}")
-    make_demo_cache(job.cache, n_slides_per_cell=d["n_slides_per_cell"], tiles_per_slide=d["tiles_per_slide"],
-                    dim=d["dim"], seed=d["seed"], overwrite=Path(job.cache).exists())
+    make_demo_cache(job.cache, n_slides_per_cell=d.n_slides_per_cell, tiles_per_slide=d.tiles_per_slide, dim=d.dim,
+                    seed=d.seed, overwrite=Path(job.cache).exists())
     return True
 
 
 def _tables_of(plan: Plan) -> dict:
     """The arguments of :mod:`cachescore.results`' table builders for the plan's current records."""
     job = plan.job
-    return dict(cache_root=job.cache, fingerprints=plan.record_fingerprints(), bootstrap=job.metrics["bootstrap"],
-                min_support=job.report["min_support"])
+    return dict(cache_root=job.cache, fingerprints=plan.record_fingerprints(),
+                bootstrap=as_dict(job.metrics.bootstrap), min_support=job.report.min_support)
 
 
 def plan_results(plan: Plan, store) -> tuple:
@@ -144,8 +145,8 @@ def run_job(job, *, scheduler: str | None = None, out: TextIO | None = sys.stder
     t0 = time.perf_counter()
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     store, plan = _prepare(job, plan, out)
-    scheduler = scheduler or job.execution["scheduler"] or None
-    kind = cluster or job.cluster["kind"]
+    scheduler = scheduler or job.execution.scheduler or None
+    kind = cluster or job.cluster.kind
     if scheduler and kind != "local":
         raise ValueError(f"{job.path or '<job>'}: --scheduler and --cluster {kind} are exclusive: give one")
     n_all = len(plan.units) + len(plan.invalid)
@@ -159,7 +160,7 @@ def run_job(job, *, scheduler: str | None = None, out: TextIO | None = sys.stder
         raise RunAborted("store-unwritable", f"results store {store.path} cannot be written (read-only or no "
                                              f"permission): {len(plan.pending)} unit(s) to run and "
                                              f"{len(plan.invalid)} failure(s) to record cannot be stored")
-    with StoreLock(store.path, summary.run_id, stale_after_s=job.execution["stale_lock_age"]) as lock:
+    with StoreLock(store.path, summary.run_id, stale_after_s=job.execution.stale_lock_age) as lock:
         if lock.taken_over:
             say(out or sys.stderr, f"warning: took over the stale lock of {lock.taken_over}")
         swept = store.sweep(older_than_s=60.0)
@@ -221,7 +222,7 @@ def _run_pending(plan, store, summary, ledger, failures: list, ended: dict, *, s
     job = plan.job
     with client_for(job, plan, scheduler, kind, processes) as client:
         monitor = _start_monitor(client, plan, summary, shown=bool(scheduler or kind != "local"
-                                                                    or job.execution["dashboard"]), out=out)
+                                                                    or job.execution.dashboard), out=out)
         ledger.hardware = hardware(client)
         state, reason = "finished", None
         try:
@@ -294,10 +295,10 @@ def _execute(plan, client, store, monitor, *, out, verbose, ended, summary) -> t
     """execute_plan with the job's execution settings, inside a Dask performance report if asked
     (kept for what ran when the run ends early, while the scheduler is still there)."""
     ex = plan.job.execution
-    kw = dict(store=store, retries=ex["retries"], out=out, run_id=summary.run_id,
-              large_unit_drivers=ex["large_unit_drivers"], monitor=monitor,
-              no_workers_timeout=ex["no_workers_timeout"], verbose=verbose, ended=ended)
-    if not ex["performance_report"]:
+    kw = dict(store=store, retries=ex.retries, out=out, run_id=summary.run_id,
+              large_unit_drivers=ex.large_unit_drivers, monitor=monitor,
+              no_workers_timeout=ex.no_workers_timeout, verbose=verbose, ended=ended)
+    if not ex.performance_report:
         return execute_plan(plan, client, **kw)
     report = Path(store.run_dir(summary.run_id)) / "dask-performance-report.html"
     recorder = performance_report(filename=str(report))

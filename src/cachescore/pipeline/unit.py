@@ -39,6 +39,7 @@ import numpy as np
 import pandas as pd
 from distributed import worker_client
 
+from .._missing import as_float
 from .._taskkeys import ANNOTATION
 from .._warncapture import captured_warnings
 from .._threads import single_thread_blas
@@ -66,13 +67,6 @@ def unit_annotation(unit, run_id: str | None = None) -> dict:
     return {"unit": unit.fingerprint, "encoder": unit.encoder, "view": unit.view, "metric": unit.metric,
             "run_id": run_id}
 
-def _nan(x) -> float:
-    try:
-        return float(x) if x is not None else float("nan")
-    except (TypeError, ValueError):
-        return float("nan")
-
-
 def result_record(unit, result, *, recall: float = float("nan")) -> tuple[dict, pd.DataFrame]:
     """Store record + per-unit table of a family's result (``RobustnessResult``, ``CRoMaResult``, …).
 
@@ -99,10 +93,10 @@ def result_record(unit, result, *, recall: float = float("nan")) -> tuple[dict, 
         "metric": unit.metric,
         "params": params_json(unit.params),
         "backend": unit.params.get("backend", "exact"),
-        "value": _nan(result.value),
-        "std": _nan(getattr(result, "std", None)),
-        "q_alpha": _nan(getattr(result, "q_alpha", None)),
-        "ltm_alpha": _nan(getattr(result, "ltm_alpha", None)),
+        "value": as_float(result.value),
+        "std": as_float(getattr(result, "std", None)),
+        "q_alpha": as_float(getattr(result, "q_alpha", None)),
+        "ltm_alpha": as_float(getattr(result, "ltm_alpha", None)),
         "f0": float("nan"),
         "support": float("nan"),
         "k": None,
