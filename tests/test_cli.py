@@ -240,3 +240,28 @@ def test_watch_scores_exactly_the_new_encoder(tmp_path, capsys):
                                                      'families = ["ri", "croma"]\n[metrics.ri]\nk_candidates = [3, 5]'))
     new, _ = poll_job(load_job(job_path))
     assert {r["label"]: r["reason"] for r in new}["enc1/centre_all/all/ri"] == "params changed"
+
+
+def test_the_run_table_states_direction_and_verdicts_and_explains_each_warning_once():
+    """Issue 24: the same support warning on most rows, cut mid-word, invited warning fatigue; the
+    table now marks each score W<n> and explains each kind of warning once, with its count."""
+    import pandas as pd
+
+    from cachescore.cli import _leaderboard
+
+    base = {"view": "v", "design": "all", "metric": "ri", "m": None, "scope": None, "ci_level": 0.95,
+            "support": 0.97, "k": 5, "defined": True, "low_support": False, "rank_low": 1, "rank_high": 2}
+    rows = [dict(base, encoder="a", value=0.8, ci_low=0.7, ci_high=0.9, rank=1, verdict="best",
+                 warnings="RuntimeWarning: dataset: RI/MaRI support is 96.8% across subset occurrences."),
+            dict(base, encoder="b", value=0.6, ci_low=0.5, ci_high=0.7, rank=2, verdict="worse than a",
+                 delta_ci_low=-0.3, delta_ci_high=-0.1,
+                 warnings="RuntimeWarning: dataset: RI/MaRI support is 98.6% across subset occurrences."),
+            dict(base, encoder="c", value=0.79, ci_low=0.7, ci_high=0.88, rank=1, verdict="no detectable difference from a",
+                 delta_ci_low=-0.05, delta_ci_high=0.03, warnings="")]
+    text = _leaderboard(pd.DataFrame(rows))
+    assert "value (higher = more robust)" in text and "vs best" in text
+    lines = text.splitlines()
+    assert "W1" in lines[2] and "W1" in lines[3] and "W1" not in lines[4]
+    assert "worse ([-0.3000, -0.1000])" in lines[3] and "≈ best" in lines[4]
+    assert lines[-1] == ("W1: 2 score(s), e.g. RuntimeWarning: dataset: RI/MaRI support is 96.8% across subset "
+                         "occurrences.")

@@ -120,10 +120,12 @@ def test_nan_in_the_second_of_three_encoders_leaves_the_cache_unchanged(tmp_path
         data = fh["features"][...]
         data[3, 1] = np.nan
         fh["features"][...] = data
-    with pytest.raises(ValueError, match=r"encoder 'enc1'.*(NaN|non-finite)"):
+    with pytest.raises(ValueError, match=r"encoder 'enc1' \(rows are the tiles of .*slides\.csv's slides\): NaN or "
+                                         r"infinite values at rows \[\d+\] \(slide 'S04' tile 3\)"):
         import_cache(cache, tileset="tiles", manifest=csv, layout="per_slide", slide_column="slide_id",
                      encoders={k: folders[k] for k in ("enc0", "enc1", "enc2")})
     assert not cache.exists() or _tree(cache) == {}, _tree(cache)
+    assert not cache.exists() or not any(cache.rglob("enc*")), "an empty encoder folder was left"
     assert not any(cache.rglob("*.partial")) if cache.exists() else True
     # an existing cache stays exactly as it was
     assert main(_import_args(cache, csv, folders, ["enc0"])) == 0
@@ -328,3 +330,21 @@ def test_npy_slide_folders_and_blank_view_values(tmp_path, capsys):
     assert main(["view", str(cache), "--tileset", "t", "--name", "v", "--confounder", "centre", "--group", "slide"]) == 2
     err = capsys.readouterr().err
     assert "confounder column 'centre' is blank or null at 4 tile(s): tileset rows [3, 4, 5, 6]" in err
+
+
+def test_a_view_is_deleted_by_name_and_nothing_else_is_touched(tmp_path, capsys):
+    csv, folders, _ = _trident(tmp_path / "src", encoders=(0,))
+    cache = tmp_path / "cache"
+    assert main(_import_args(cache, csv, folders, ["enc0"])) == 0
+    view = ["view", str(cache), "--tileset", "tiles", "--confounder", "centre", "--group", "slide_id"]
+    assert main(view + ["--name", "keep"]) == 0 and main(view + ["--name", "scratch"]) == 0
+    capsys.readouterr()
+    before = {k: v for k, v in _tree(cache).items() if "scratch" not in k}
+    assert main(["view", str(cache), "--delete", "scratch"]) == 0
+    assert "view scratch deleted" in capsys.readouterr().out
+    assert Cache(cache).views() == ["keep"] and _tree(cache) == before
+    assert main(["view", str(cache), "--delete", "scratch"]) == 2  # gone: named, with what there is
+    err = capsys.readouterr().err
+    assert "no view 'scratch' in cache" in err and "(views: keep)" in err
+    assert main(["view", str(cache), "--name", "x"]) == 2
+    assert "--tileset, --confounder required to write a view" in capsys.readouterr().err

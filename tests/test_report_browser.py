@@ -60,6 +60,13 @@ def test_demo_report_renders_in_chromium_with_every_plot(demo, tmp_path):
             overview = page.locator("#overview ~ h3").count()
             assert overview >= 1 and page.locator("text=★").count() >= 10
             assert page.locator("text=no per-unit values stored").count() == 0  # no empty panels
+            # issue 24: direction, rank intervals, verdicts against the best and the disagreement note
+            # are on the page and visible (the demo's probe metrics favour enc1, RI/MaRI/CRoMa enc0)
+            for text in ("Higher is more robust, for every metric", "rank 1 [1–1] of 4", "worse than enc0: Δ",
+                         "The metric families disagree"):
+                assert page.locator("#overview ~ *").get_by_text(text, exact=False).first.is_visible(), text
+            note = page.locator("p.warn", has_text="The metric families disagree").first.inner_text()
+            assert "enc0 is best on" in note and "enc1 is best on" in note
             ARTIFACTS.mkdir(parents=True, exist_ok=True)
             shot = ARTIFACTS / "demo-report.png"
             page.screenshot(path=str(shot), full_page=True)

@@ -10,6 +10,7 @@ unranked; APD intervals are percentiles over the probe replicates.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from pathlib import Path
 
@@ -19,11 +20,11 @@ import pytest
 from croma.metrics import bootstrap as ref
 
 from cachescore.cache import Cache, make_demo_cache, write_view
-from cachescore.jobs import load_job, parse_job
+from cachescore.jobs import parse_job
 from cachescore.jobs.sections import as_dict
 from cachescore.metrics import bootstrap as ours
 from cachescore.pipeline import plan_job, run_job
-from cachescore.results import SCORE_COLUMNS, score_table
+from cachescore.results import SCORE_COLUMNS, compare_encoders, score_table
 from cachescore.store import ResultsStore
 
 REPO = Path(__file__).resolve().parents[1]
@@ -251,6 +252,9 @@ def test_smallest_c_warning(tmp_path):
     assert BundleFacts(smallest_c_share=0.5, smallest_c=1e-8).smallest_c_warning == ""
     warn = BundleFacts(smallest_c_share=0.7, smallest_c=1e-8).smallest_c_warning
     assert warn.startswith("in 70% of the probes the validation-selected C was the grid's smallest (1e-08)")
+    # advice a user can follow (issue 24): the grid is the protocol's, not a job key
+    assert "widen the C grid" not in warn and "fixed by the PathoROB protocol" in warn
+    assert "cachescore status JOB --verify" in warn and "[probe] schedule" in warn
 
 
 def test_identical_encoders_share_their_rank_and_span_both_positions(demo, tmp_path):
@@ -278,6 +282,32 @@ def test_identical_encoders_share_their_rank_and_span_both_positions(demo, tmp_p
     before = df[(df["metric"] == "croma") & (df["design"] == "all") & (df["view"] == row["view"])].set_index("encoder")
     higher = [e for e in before.index if before.loc[e, "rank"] < row["rank"]]
     assert all(part.loc[e, "rank"] == before.loc[e, "rank"] for e in higher)  # those above are unmoved
+    # the twins' verdicts against the best agree with compare's (same paired draw) and never differ
+    best = part.index[part["verdict"] == "best"].tolist()
+    assert len(best) == 1 and part.loc[best[0], "rank"] == 1 and part.loc[best[0], "delta_vs_best"] == 0.0
+    assert part.loc["enc1", "verdict"] == part.loc["enc1twin", "verdict"]
+    assert part.loc["enc1", "delta_ci_low"] == part.loc["enc1twin", "delta_ci_low"]
+    for enc in part.index.drop(best):
+        rows = compare_encoders(store, Cache(demo.cache), fps + [twin], best[0], enc, view=row["view"], metric="croma",
+                                bootstrap=as_dict(demo.metrics.bootstrap))
+        [cmp] = [r for r in rows if r["design"] == "all"]
+        assert (cmp["ci_low"], cmp["ci_high"]) == (part.loc[enc, "delta_ci_low"], part.loc[enc, "delta_ci_high"])
+        assert part.loc[enc, "verdict"] == (f"worse than {best[0]}" if cmp["verdict"] == f"{best[0]} more robust"
+                                           else f"no detectable difference from {best[0]}")
+
+
+def test_a_clearly_better_encoder_is_best_and_the_others_are_worse_than_it(demo):
+    """The demo's encoders are built with growing confounder strength: on RI, enc0 is best and every
+    other encoder's paired interval against it excludes 0 (verdict "worse than enc0")."""
+    store = ResultsStore.open(demo.store)
+    df = score_table(store, Cache(demo.cache), plan_job(demo, store=store).record_fingerprints(),
+                     bootstrap=as_dict(demo.metrics.bootstrap))
+    ri = df[(df["metric"] == "ri") & (df["view"] == "centre_all")].set_index("encoder")
+    assert ri.loc["enc0", "verdict"] == "best" and ri.loc["enc0", "best_encoder"] == "enc0"
+    for enc in ("enc1", "enc2", "enc3"):
+        assert ri.loc[enc, "verdict"] == "worse than enc0", ri.loc[enc, ["delta_ci_low", "delta_ci_high"]]
+        assert ri.loc[enc, "delta_vs_best"] < 0 and ri.loc[enc, "delta_ci_high"] < 0
+    assert df.loc[~df["defined"], "verdict"].eq("").all()
 
 
 def test_span_ranks_equal_ordered_ranks_without_ties_and_cover_ties():
@@ -317,3 +347,25 @@ def test_the_readme_recipe_keeps_every_score_apart_and_the_report_states_the_dir
     page = build_report(demo.store, tmp_path / "r.html").read_text(encoding="utf-8")
     assert "Higher is more robust, for every metric" in DIRECTION and DIRECTION.split(":")[0] in page
     assert "higher is more robust" in readme.lower()
+
+
+def test_probe_centres_are_named_and_the_report_shows_the_run_that_produced_the_scores(demo, tmp_path):
+    """Issue 24: ``probe_centres.parquet`` gave centres as codes 0-3, and the report's provenance
+    showed the latest (no-op) run, not the one that wrote the scores."""
+    import io
+    import shutil
+
+    from cachescore.pipeline import run_job
+    from cachescore.report import build_report
+
+    centres = pd.read_parquet(demo.store / "probe_centres.parquet")
+    assert set(centres["centre"]) == {"A", "B", "C"} and set(centres["confounder_column"]) == {"centre"}
+    assert set(centres.loc[centres["role"] == "centre_C", "centre"]) == {"C"}
+    shutil.copytree(demo.store, tmp_path / "store")
+    job = dataclasses.replace(demo, store=tmp_path / "store")
+    producing = ResultsStore.open(job.store).scores()["run_id"].dropna().unique().tolist()
+    noop = run_job(job, processes=False, out=io.StringIO())
+    assert noop.executed == 0 and noop.run_id not in producing
+    page = build_report(job.store, tmp_path / "r.html").read_text(encoding="utf-8")
+    section = page[page.index('<h2 id="provenance">Provenance of the run that produced the latest scores'):]
+    assert f"<td>{producing[0]}</td>" in section.split("<h3>")[0] and len(producing) == 1

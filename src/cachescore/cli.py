@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import sys
 from collections import Counter
@@ -42,6 +43,7 @@ from pathlib import Path
 import pandas as pd
 
 from .cache import Cache, import_cache, verify_cache
+from .cache.writer import delete_view
 from .cache.views import make_view, parse_where
 from .errors import RunAborted, RunInterrupted
 from .jobs import describe_schema, load_job
@@ -93,17 +95,35 @@ def _metric_label(r: dict) -> str:
     return families.display(r["metric"], r.get("m"), r.get("scope") if r.get("design") == "probe" else None)
 
 
-def _flags(r: dict) -> str:
-    """What a reader must know before using a score: undefined (why), low support, warnings."""
+def _flags(r: dict, notes: dict | None = None) -> str:
+    """What a reader must know before using a score: undefined (why), low support, warnings. With
+    ``notes`` (warning kind -> [number, count, example], filled here) a warning is a short mark
+    (``W1``) explained once under the table (:func:`_warning_notes`); without, its first line, cut
+    with an ellipsis."""
     if not r.get("defined", True):
         return f"UNDEFINED: {r.get('undefined_reason')}"
     out = []
     if r.get("low_support"):
         out.append(f"low support ({r.get('support'):.3f})")
-    warn = str(r.get("warnings") or "").strip()
-    if warn:
-        out.append("warning: " + warn.splitlines()[0][:90] + (" (+more)" if "\n" in warn else ""))
-    return "; ".join(out)
+    for warn in str(r.get("warnings") or "").strip().splitlines():
+        if notes is None:
+            out.append("warning: " + _short(warn, 90))
+            continue
+        note = notes.setdefault(_warning_kind(warn), [len(notes) + 1, 0, warn])
+        note[1] += 1
+        out.append(f"W{note[0]}")
+    return "; ".join(dict.fromkeys(out))
+
+
+def _warning_kind(text: str) -> str:
+    """A warning with its numbers blanked: the same warning about 96.8% and 98.6% is one kind."""
+    return re.sub(r"\d+(\.\d+)?", "#", text)
+
+
+def _warning_notes(notes: dict) -> str:
+    """The warnings of a table, once each with how many scores carry them."""
+    return "\n".join(f"W{n}: {count} score(s), e.g. {example}" for n, count, example in
+                     sorted(notes.values()))
 
 
 def _interval(lo, hi) -> str:
@@ -124,14 +144,26 @@ def _leaderboard(scores) -> str:
     the rank interval and the flags; undefined scores are listed last and never ranked."""
     if scores is None or len(scores) == 0:
         return ""
-    rows = []
+    rows, notes = [], {}
     for r in scores.to_dict("records"):
         r = {k: (None if v is pd.NA else v) for k, v in r.items()}
         rows.append({"view": r["view"], "design": r["design"], "metric": _metric_label(r), "rank": _rank_text(r),
-                     "encoder": r["encoder"], "value": r.get("value"),
+                     "encoder": r["encoder"], "value (higher = more robust)": r.get("value"),
                      f"{int(round(100 * (r.get('ci_level') or 0.95)))}% CI": _interval(r.get("ci_low"), r.get("ci_high")),
-                     "support": r.get("support"), "k": r.get("k"), "flags": _flags(r)})
-    return format_table(rows, list(rows[0]))
+                     "vs best": _versus_best(r), "support": r.get("support"), "k": r.get("k"),
+                     "flags": _flags(r, notes)})
+    table = format_table(rows, list(rows[0]))
+    return table + ("\n" + _warning_notes(notes) if notes else "")
+
+
+def _versus_best(r: dict) -> str:
+    """The score's paired verdict against its group's best (``best``, ``worse``, ``≈ best``)."""
+    verdict = str(r.get("verdict") or "")
+    if verdict.startswith("worse"):
+        return f"worse ({_interval(r.get('delta_ci_low'), r.get('delta_ci_high'))})"
+    if verdict.startswith("no detectable"):
+        return "≈ best"
+    return verdict
 
 
 def _run_line(summary) -> str:
@@ -400,6 +432,16 @@ def _cmd_import(args) -> int:
 
 
 def _cmd_view(args) -> int:
+    if args.delete:
+        removed = delete_view(Cache(args.cache, mode="a"), args.delete)
+        print(f"view {args.delete} deleted from {args.cache} ({', '.join(p.name for p in removed)}); its stored "
+              "results stay in the results store (`cachescore prune JOB` lists them)")
+        return 0
+    missing = [f"--{k}" for k in ("tileset", "name", "confounder") if not getattr(args, k)]
+    if missing:
+        print(f"error: cachescore view: {', '.join(missing)} required to write a view (or --delete NAME to remove one)",
+              file=sys.stderr)
+        return 2
     summary = make_view(args.cache, tileset=args.tileset, name=args.name, confounder=args.confounder, label=args.label,
                         group=args.group, design=args.design, where=parse_where(args.where),
                         rows_per_slide=args.rows_per_slide, seed=args.seed, min_rows=args.min_rows,
@@ -551,13 +593,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "the given views")
     i.set_defaults(func=_cmd_import)
 
-    v = sub.add_parser("view", help="write a view over a tileset: filter tiles, subsample N per slide (seeded)")
+    v = sub.add_parser("view", help="write a view over a tileset: filter tiles, subsample N per slide (seeded); "
+                                    "or --delete one")
     v.add_argument("cache", help="cache folder")
-    v.add_argument("--tileset", required=True)
-    v.add_argument("--name", required=True, help="name of the view to write")
-    v.add_argument("--confounder", required=True, help="tileset column the scores are robust to (centre, scanner, ...)")
+    v.add_argument("--delete", metavar="NAME", default=None,
+                   help="remove the view NAME from the cache (its table and sidecar; nothing else) instead of writing one")
+    v.add_argument("--tileset", help="tileset the view selects from (required to write a view)")
+    v.add_argument("--name", help="name of the view to write (required to write a view)")
+    v.add_argument("--confounder", help="tileset column the scores are robust to (centre, scanner, ...; required to "
+                                        "write a view)")
     v.add_argument("--label", default="label", help="tileset column of the biological label (default: label)")
-    v.add_argument("--group", default="group_id", help="tileset column of the independence group (default: group_id)")
+    v.add_argument("--group", default="group_id",
+                   help="tileset column of the independence group (default: group_id): the unit the bootstrap "
+                        "resamples and the probe splits keep whole — the patient when a patient has several slides, "
+                        "else the slide (docs/cache-layout.md)")
     v.add_argument("--design", default=None, choices=["all", "paired_2x2"], help="design hint stored with the view")
     v.add_argument("--where", action="append", metavar="COL=VAL",
                    help="keep tiles with COL == VAL (repeatable: values of one column are alternatives, columns all "

@@ -75,7 +75,7 @@ tr.nan td{color:#8c959f}.bar{display:inline-block;height:9px;background:#0969da;
 pre{white-space:pre-wrap;word-break:break-word;margin:0;font-size:.95em}
 .panels{display:flex;flex-wrap:wrap;gap:12px}.panel{border:1px solid #d0d7de;padding:6px;border-radius:4px}
 .panel .t{font-size:.85em;font-weight:600}.ok{color:#1a7f37}.bad{color:#cf222e}.warn{color:#9a6700}
-.best{color:#bf8700}.panel svg{max-width:100%;height:auto}
+.best{color:#bf8700}.panel svg{max-width:100%;height:auto}.small{font-size:.8em}
 nav a{margin-right:12px}code{font-size:.9em}
 """
 
@@ -256,7 +256,47 @@ def _cell(r) -> str:
     if str(r.get("warnings") or "").strip():
         flags.append(f"<span class='warn' title='{_e(r['warnings'])}'>⚠</span>")
     star = "<b class='best' title='rank 1'>★</b> " if r["rank"] == 1 else ""
-    return f"{star}{_num(r['value'], 3)}{ci}{' ' + ' '.join(flags) if flags else ''}"
+    return (f"{star}{_num(r['value'], 3)}{ci}{' ' + ' '.join(flags) if flags else ''}"
+            f"<div class='muted small'>{_rank_text(r)}</div>{_verdict_html(r)}")
+
+
+def _rank_text(r) -> str:
+    """``rank 2 [2–3] of 4``: the point rank, its bootstrap interval (ties span every position)."""
+    if is_missing(r.get("rank")):
+        return "not ranked"
+    lo, hi = r.get("rank_low"), r.get("rank_high")
+    interval = "" if is_missing(lo) or is_missing(hi) else f" [{int(lo)}–{int(hi)}]"
+    return f"rank {int(r['rank'])}{interval} of {int(r['n_ranked'])}"
+
+
+def _verdict_html(r) -> str:
+    """The paired verdict against the column's best encoder (scores.parquet ``verdict``)."""
+    verdict = str(r.get("verdict") or "")
+    if not verdict or verdict == "best":
+        return ""
+    delta = "" if is_missing(r.get("delta_ci_low")) else (
+        f": Δ {_num(r['delta_vs_best'], 3)} [{_num(r['delta_ci_low'], 3)}, {_num(r['delta_ci_high'], 3)}]")
+    css = "bad" if verdict.startswith("worse") else "muted"
+    return f"<div class='{css} small'>{_e(verdict)}{delta}</div>"
+
+
+def _disagreement_html(part: pd.DataFrame) -> str:
+    """A note when the view's metric columns do not agree on the most robust encoder: each column's
+    best, and whether the others are statistically behind it there."""
+    if "verdict" not in part.columns:  # a table written before verdicts existed
+        return ""
+    bests = {}
+    for _, r in part[part["verdict"].fillna("") == "best"].iterrows():
+        bests[_label(r) + f" · {r['design']}"] = str(r["encoder"])
+    if len(set(bests.values())) <= 1:
+        return ""
+    by_best: dict = {}
+    for col, enc in bests.items():
+        by_best.setdefault(enc, []).append(col)
+    lines = "; ".join(f"{_e(enc)} is best on {_e(', '.join(cols))}" for enc, cols in sorted(by_best.items()))
+    return (f"<p class='warn'><b>The metric families disagree</b> on the most robust encoder of this view: {lines}. "
+            "Read each column's verdicts (a difference is detectable only where its paired interval excludes 0) "
+            "before choosing.</p>")
 
 
 #: Which end of every score is better, stated wherever scores are shown (issue 24).
@@ -277,11 +317,14 @@ def _overview_html(scores: pd.DataFrame | None) -> str:
         encoders = sorted(part["encoder"].unique())
         cells = {(r["encoder"], _label(r) + f" · {r['design']}"): _cell(r) for _, r in part.iterrows()}
         body = [[_td(_e(e))] + [_td(cells.get((e, c), "—"), num=True) for c in cols] for e in encoders]
-        out.append(f"<h3>view {_e(view)}</h3>" + _table(["encoder"] + [_e(c) for c in cols], body, raw_headers=True))
+        out.append(f"<h3>view {_e(view)}</h3>" + _disagreement_html(part)
+                   + _table(["encoder"] + [_e(c) for c in cols], body, raw_headers=True))
     return (f"<p class='direction'>{_e(DIRECTION)}</p>"
             "<p class='muted'>value [95% cluster-bootstrap CI over group_id; APD: over probe replicates]; "
-            "★ best defined score of the column; undefined scores are never ranked (hover for why); "
-            "⚠ stored warnings (hover).</p>" + "".join(out))
+            "★ best defined score of the column; rank with its bootstrap interval (tied or indistinguishable "
+            "encoders share positions); under it the verdict against the column's best: Δ = this − best with "
+            "its paired 95% interval (worse when it excludes 0, else no detectable difference); undefined "
+            "scores are never ranked (hover for why); ⚠ stored warnings (hover).</p>" + "".join(out))
 
 
 def _forest_html(scores: pd.DataFrame | None) -> str:
@@ -290,7 +333,7 @@ def _forest_html(scores: pd.DataFrame | None) -> str:
     out = []
     keys = ["view", "design", "scope", "metric", "m"]
     for key, part in scores.groupby(keys, dropna=False, sort=True):
-        part = part.sort_values(["rank", "encoder"], na_position="last")
+        part = part.sort_values("encoder")  # one encoder order in every panel (ranks are in the labels)
         shown = part[part["defined"]]
         hidden = part[~part["defined"]]
         title = f"{_label(part.iloc[0])} · view {key[0]} · design {key[1]}"
@@ -298,13 +341,16 @@ def _forest_html(scores: pd.DataFrame | None) -> str:
             out.append(f"<div class='panel'><div class='t'>{_e(title)}</div><div class='muted'>no defined score: "
                        f"{_e('; '.join(sorted(set(hidden['undefined_reason']))))}</div></div>")
             continue
-        best = shown.iloc[0]["encoder"] if shown.iloc[0]["rank"] == 1 else None
-        svg = forest_svg(list(shown["encoder"]), shown["value"].to_numpy(float), shown["ci_low"].to_numpy(float),
-                         shown["ci_high"].to_numpy(float), metric=str(key[3]), title=title, best=best)
+        best = shown.loc[shown["rank"] == 1, "encoder"].tolist()
+        labels = [f"{r['encoder']} · {_rank_text(r)}" for _, r in shown.iterrows()]
+        svg = forest_svg(labels, shown["value"].to_numpy(float), shown["ci_low"].to_numpy(float),
+                         shown["ci_high"].to_numpy(float), metric=str(key[3]), title=title,
+                         best=[lab for lab, (_, r) in zip(labels, shown.iterrows()) if r["encoder"] in best])
         note = "" if hidden.empty else (f"<div class='muted'>not shown (undefined): "
                                         f"{_e(', '.join(hidden['encoder']))}</div>")
         out.append(f"<div class='panel'>{svg}{note}</div>")
-    return ("<p class='muted'>points: stored scores; bars: 95% CIs; ★ rank 1; axis: the metric's range "
+    return ("<p class='muted'>points: stored scores; bars: 95% CIs; ★ rank 1 (in the label, so no bar is hidden); "
+            "encoders in the same order in every panel; axis: the metric's range "
             "(RI/MaRI 0–1, dotted line at 0.5; CRoMa and probe drops around 0).</p>"
             f"<div class='panels'>{''.join(out)}</div>")
 
@@ -401,8 +447,10 @@ def _centre_panels(centres: pd.DataFrame | None) -> str:
     panels = []
     test = centres[centres["role"] != "val"]
     for (view, role), part in test.groupby(["view", "role"], sort=True):
+        named = part["confounder_column"].dropna() if "confounder_column" in part.columns else part["view"][:0]
+        xlabel = str(named.iloc[0]) if len(named) else "centre"
         table = part.pivot_table(index="centre", columns="encoder", values="balanced_accuracy", aggfunc="mean")
-        panels.append(f"<div class='panel'>{centre_bars_svg(table, title=f'view {view} · {role}')}</div>")
+        panels.append(f"<div class='panel'>{centre_bars_svg(table, title=f'view {view} · {role}', xlabel=xlabel)}</div>")
     return ("<h3>Accuracy per centre</h3><p class='muted'>mean balanced accuracy of the probes on each "
             f"centre's rows.</p><div class='panels'>{''.join(panels)}</div>")
 
@@ -575,6 +623,21 @@ def _perf_link(store, prov: dict, out_html: Path) -> str:
     return f'<a href="{_e(_href(path, out_html))}">{_e(path.name)}</a>'
 
 
+def _producing_run(store, scores: pd.DataFrame) -> tuple[str | None, dict | None, list[tuple[str, dict]]]:
+    """``(run id, provenance, every run)`` of the run that wrote the store's latest score (a no-op
+    re-run since then wrote none); without a readable one, the latest run that executed a unit,
+    else the latest run."""
+    latest, prov, runs = _latest_run(store)
+    by_id = dict(runs)
+    if not scores.empty and {"run_id", "finished_at"} <= set(scores.columns):
+        done = scores.dropna(subset=["run_id"]).sort_values("finished_at", na_position="first")
+        if len(done) and str(done["run_id"].iloc[-1]) in by_id:
+            rid = str(done["run_id"].iloc[-1])
+            return rid, by_id[rid], runs
+    working = [(rid, p) for rid, p in runs if isinstance(p.get("units"), dict) and p["units"].get("executed")]
+    return (working[-1][0], working[-1][1], runs) if working else (latest, prov, runs)
+
+
 def _latest_run(store) -> tuple[str | None, dict | None, list[tuple[str, dict]]]:
     runs = []
     for run_id in store.runs():
@@ -589,7 +652,7 @@ def _latest_run(store) -> tuple[str | None, dict | None, list[tuple[str, dict]]]
 
 
 def _provenance_html(store, scores: pd.DataFrame, out_html: Path) -> str:
-    run_id, prov, runs = _latest_run(store)
+    run_id, prov, runs = _producing_run(store, scores)
     parts = []
     if prov is None:
         parts.append("<p class='muted'>No run provenance recorded in this store.</p>")
@@ -721,7 +784,8 @@ def build_report(store_path, out_html, *, cache=None, bins: int = HIST_BINS) -> 
                 ("leaderboards", "Leaderboards", _leaderboard_html(groups)),
                 ("distributions", "Per-unit distributions", _distributions_html(store, groups, int(bins))),
                 ("failures", f"Failures ({len(failures)})", _failures_html(failures)),
-                ("provenance", "Provenance of the latest run", _provenance_html(store, scores, out_html))]
+                ("provenance", "Provenance of the run that produced the latest scores",
+                 _provenance_html(store, scores, out_html))]
     if cache is not None:
         sections.append(("cache", "Cache", _cache_html(cache, scores)))
     nav = "".join(f'<a href="#{sid}">{_e(title)}</a>' for sid, title, _ in sections)

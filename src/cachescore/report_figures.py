@@ -53,9 +53,10 @@ def metric_axis(metric: str, lows, highs) -> tuple[float, float]:
     return -span, span
 
 
-def forest_svg(encoders, values, lows, highs, *, metric: str, title: str, best: str | None = None) -> str:
-    """Horizontal value-and-CI plot, one row per encoder (top = first). NaN intervals draw the
-    point only."""
+def forest_svg(encoders, values, lows, highs, *, metric: str, title: str, best=None) -> str:
+    """Horizontal value-and-CI plot, one row per encoder label (top = first). NaN intervals draw
+    the point only. ``best``: the label(s) of rank 1, starred in their tick label (a marker on the
+    point would hide its interval)."""
     n = len(encoders)
     fig, ax = plt.subplots(figsize=(5.6, 0.42 * n + 0.9))
     y = np.arange(n)[::-1]
@@ -67,14 +68,12 @@ def forest_svg(encoders, values, lows, highs, *, metric: str, title: str, best: 
                 ecolor="#0969da", capsize=3, ms=5)
     if (~has).any():
         ax.plot(v[~has], y[~has], "o", color="#8c959f", ms=5)
-    if best is not None and best in encoders:
-        i = list(encoders).index(best)
-        ax.plot([v[i]], [y[i]], marker="*", color="#bf8700", ms=12, zorder=5)
     x0, x1 = metric_axis(metric, np.concatenate([lo[has], v]), np.concatenate([hi[has], v]))
     ax.set_xlim(x0, x1)
     family = families.lookup(metric)  # the no-effect value: RI / MaRI 0.5 (SO = OS), others 0
     ax.axvline(family.neutral if family is not None else 0.0, color="#8c959f", lw=0.8, ls=":")
-    ax.set_yticks(y, [str(e) for e in encoders])
+    starred = {best} if isinstance(best, str) else set(best or ())
+    ax.set_yticks(y, [("★ " if str(e) in starred else "") + str(e) for e in encoders])
     ax.set_title(title, fontsize=9, loc="left")
     ax.grid(axis="x", color="#eaeef2", lw=0.6)
     return _svg(fig)
@@ -110,14 +109,14 @@ def reliability_svg(curves: dict, *, title: str) -> str:
     ax.set_ylim(0, 1)
     ax.set_xlabel("mean confidence")
     ax.set_ylabel("observed frequency")
-    ax.legend(fontsize=7, frameon=False)
+    ax.legend(fontsize=7, frameon=False, loc="upper left", bbox_to_anchor=(1.02, 1.0))  # beside, not on, the curves
     ax.set_title(title, fontsize=9, loc="left")
     return _svg(fig)
 
 
-def centre_bars_svg(table, *, title: str) -> str:
-    """Grouped bars: ``table`` a DataFrame, rows = centres, columns = encoders, mean balanced
-    accuracy of the probes on each centre."""
+def centre_bars_svg(table, *, title: str, xlabel: str = "centre") -> str:
+    """Grouped bars: ``table`` a DataFrame, rows = centres (by name), columns = encoders, mean
+    balanced accuracy of the probes on each centre; ``xlabel`` names the confounder."""
     centres, encoders = list(table.index), list(table.columns)
     fig, ax = plt.subplots(figsize=(max(3.6, 0.9 * len(centres) + 1.5), 2.8))
     width = 0.8 / max(1, len(encoders))
@@ -127,7 +126,8 @@ def centre_bars_svg(table, *, title: str) -> str:
     ax.set_ylim(0, 1.02)
     ax.axhline(0.5, color="#8c959f", lw=0.8, ls=":")
     ax.set_ylabel("balanced accuracy")
-    ax.legend(fontsize=7, frameon=False, ncol=2)
+    ax.set_xlabel(xlabel)
+    ax.legend(fontsize=7, frameon=False, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     ax.set_title(title, fontsize=9, loc="left")
     return _svg(fig)
 

@@ -435,7 +435,10 @@ def import_cache(
     tiles_file = tiles_path(root, tileset)
     _check_targets(root, tileset, out, tiles_file, frame, views, source, overwrite=overwrite)
     staged = _stage_all(root, tileset, plans, out["sample_id"].to_numpy(dtype=object), len(frame), source,
-                        shard_rows=shard_rows, overwrite=overwrite)
+                        shard_rows=shard_rows, overwrite=overwrite,
+                        describe_rows=_row_describer(frame, slide_column, tile_index_column),
+                        rows_are=(f"the tiles of {source}'s slides" if tile_index_column == "tile_index"
+                                  and layout == "per_slide" else f"{source} rows"))
     # publication: every input has been read and checked; the manifest first, then each encoder by rename
     if not tiles_file.is_file():
         write_tileset(root, tileset, frame)
@@ -501,8 +504,24 @@ def _check_targets(root: Path, tileset: str, out: pd.DataFrame, tiles_file: Path
         _check_view_columns(frame, view, str(dict(options).get("confounder_column", "")).strip(), source)
 
 
-def _stage_all(root: Path, tileset: str, plans: dict, ids, n: int, source: str, *, shard_rows, overwrite: bool
-               ) -> dict[str, Path]:
+def _row_describer(frame: pd.DataFrame, slide_column: str, tile_index_column: str | None):
+    """``rows -> "slide 'S07' tile 12, ..."`` (or ``sample_id 't3'`` without slide columns): what a
+    NaN message says of the tile-manifest rows it names."""
+    slides = frame[slide_column].astype(str).to_numpy() if slide_column in frame.columns else None
+    tiles = (frame[tile_index_column].to_numpy() if tile_index_column and tile_index_column in frame.columns
+             else None)
+    ids = frame["sample_id"].astype(str).to_numpy()
+
+    def describe(rows) -> str:
+        if slides is not None and tiles is not None:
+            return ", ".join(f"slide {slides[r]!r} tile {tiles[r]}" for r in rows)
+        return ", ".join(f"sample_id {ids[r]!r}" for r in rows)
+
+    return describe
+
+
+def _stage_all(root: Path, tileset: str, plans: dict, ids, n: int, source: str, *, shard_rows, overwrite: bool,
+               describe_rows=None, rows_are: str | None = None) -> dict[str, Path]:
     """Stage every encoder's arrays inside the cache (read and checked, not yet published);
     returns ``encoder -> staging folder`` of those that change. Identical bytes are dropped; on
     any failure every staging folder is removed and the cache is as it was."""
@@ -511,7 +530,8 @@ def _stage_all(root: Path, tileset: str, plans: dict, ids, n: int, source: str, 
         for name, (dim, dtype, read_block) in plans.items():
             staging, meta = stage_embeddings_blocks(root, name, tileset, ids=ids, n_rows=n, dim=dim, dtype=dtype,
                                                     read_block=read_block, shard_rows=shard_rows,
-                                                    source=f"encoder {name!r} (rows are {source} rows)")
+                                                    source=f"encoder {name!r} (rows are {rows_are or source + ' rows'})",
+                                                    describe_rows=describe_rows)
             target = embeddings_dir(root, name, tileset)
             if target.exists() and _same_arrays(target, meta):
                 shutil.rmtree(staging, ignore_errors=True)  # identical bytes: nothing to do

@@ -54,6 +54,7 @@ __all__ = [
     "write_embeddings",
     "write_embeddings_blocks",
     "write_view",
+    "delete_view",
     "default_shard_rows",
     "normalize_ids",
     "sample_ids_digest",
@@ -254,12 +255,15 @@ def stage_embeddings_blocks(
     shard_rows: int | None = None,
     check_finite: bool = True,
     source: str | None = None,
+    describe_rows: Callable[[np.ndarray], str] | None = None,
 ) -> tuple[Path, dict]:
     """Write an encoder's shards and ``meta.json`` into a hidden staging folder beside its target
     (``embeddings/<encoder>/.<tileset>.<pid>-<uuid>.partial``) and return ``(staging, meta)``;
     the caller publishes it (``atomic_replace_dir``) or removes it. ``ids`` are the tileset's
     normalised sample ids (the tileset need not be written yet). On any error the staging folder
-    is removed and nothing else was touched. Raises like :func:`write_embeddings`."""
+    is removed and nothing else was touched. Raises like :func:`write_embeddings`; a
+    :class:`NonFiniteError` names the rows, and what ``describe_rows(rows)`` says of them (e.g.
+    their slide and tile) when given."""
     root = writable_root(root)
     check_name("encoder", encoder)
     check_name("tileset", tileset)
@@ -285,7 +289,8 @@ def stage_embeddings_blocks(
             name = f"shard-{index:05d}.npy"
             shards.append({"file": name, "rows": stop - start,
                            "sha256": _write_shard(staging / name, start, stop, dim, dtype, read_block,
-                                                  check_finite=check_finite, source=source)})
+                                                  check_finite=check_finite, source=source,
+                                                  describe_rows=describe_rows)})
         meta = {
             "format": META_FORMAT,
             "version": META_VERSION,
@@ -303,7 +308,8 @@ def stage_embeddings_blocks(
     return staging, meta
 
 
-def _write_shard(path: Path, start: int, stop: int, dim: int, dtype: np.dtype, read_block, *, check_finite: bool, source: str) -> str:
+def _write_shard(path: Path, start: int, stop: int, dim: int, dtype: np.dtype, read_block, *, check_finite: bool,
+                 source: str, describe_rows=None) -> str:
     header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (stop - start, int(dim))}
     with open(path, "wb") as fh:
         out = _HashingWriter(fh)
@@ -316,17 +322,18 @@ def _write_shard(path: Path, start: int, stop: int, dim: int, dtype: np.dtype, r
             if block.dtype != dtype:
                 raise LayoutError(f"{source}: rows {lo}:{hi} have dtype {block.dtype}, expected {dtype}")
             if check_finite:
-                _check_finite_block(block, lo, source)
+                _check_finite_block(block, lo, source, describe_rows)
             out.write(np.ascontiguousarray(block).tobytes(order="C"))
         fh.flush()
         os.fsync(fh.fileno())
     return out.sha.hexdigest()
 
 
-def _check_finite_block(block: np.ndarray, offset: int, source: str) -> None:
+def _check_finite_block(block: np.ndarray, offset: int, source: str, describe_rows=None) -> None:
     bad = nonfinite_rows(block)
     if bad.size:
-        raise NonFiniteError(f"{source}: NaN or infinite values at rows {_rows(bad + offset)}")
+        what = f" ({describe_rows(bad[:5] + offset)})" if describe_rows is not None else ""
+        raise NonFiniteError(f"{source}: NaN or infinite values at rows {_rows(bad + offset)}{what}")
 
 
 def write_embeddings(root, encoder: str, tileset: str, array, *, shard_rows: int | None = None,
@@ -425,3 +432,31 @@ def write_view(root, view: str, frame: pd.DataFrame, *, tileset: str, confounder
     sidecar["table_bytes"] = size
     atomic_write_json(view_sidecar_path(root, view), sidecar, overwrite=True)
     return view_table_path(root, view)
+
+
+def delete_view(root, view: str) -> list[Path]:
+    """Remove the view ``view`` (``views/<view>.json`` and ``views/<view>.parquet``) from the cache
+    at ``root`` (a path or a :class:`~cachescore.cache.Cache` opened with ``mode="a"``). The
+    sidecar goes first, so the view stops being listed before its table is removed; a crash between
+    the two leaves an orphan table that no reader lists. Tilesets, embeddings and other views are
+    untouched; stored results of the view stay in the results store (``cachescore prune`` lists
+    them once no job names the view). Returns the removed paths. Raises
+    :class:`~.errors.CacheNotFoundError` naming the cache's views when ``view`` is not one of them.
+    """
+    root = writable_root(root)
+    check_name("view", view)
+    if not root.is_dir():
+        raise CacheNotFoundError(f"cache folder not found: {root}")
+    sidecar, table = view_sidecar_path(root, view), view_table_path(root, view)
+    if not sidecar.is_file():
+        base = root / "views"
+        known = sorted(p.stem for p in base.glob("*.json") if not p.name.startswith(".")) if base.is_dir() else []
+        raise CacheNotFoundError(f"no view {view!r} in cache {root} (views: {', '.join(known) or 'none'})")
+    removed = []
+    for path in (sidecar, table):
+        try:
+            path.unlink()
+            removed.append(path)
+        except FileNotFoundError:
+            pass
+    return removed

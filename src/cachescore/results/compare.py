@@ -13,10 +13,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-import numpy as np
 
-from ..metrics.bootstrap import percentile_ci
-from .scores import BOOTSTRAP_DEFAULTS, score_entries
+from .scores import BOOTSTRAP_DEFAULTS, paired_difference, score_entries
 
 __all__ = ["compare_encoders", "COMPARE_COLUMNS"]
 
@@ -64,19 +62,12 @@ def compare_encoders(store, cache, fingerprints: Iterable[str], encoder_a: str, 
         row = {"view": v, "design": design, "scope": scope, "metric": met, "m": m, "encoder_a": encoder_a,
                "encoder_b": encoder_b, "value_a": ea["value"], "value_b": eb["value"],
                "delta": eb["value"] - ea["value"], "ci_level": float(bootstrap["level"])}
-        ra, rb = ea["_reps"], eb["_reps"]
         if not (ea["defined"] and eb["defined"]):
             why = ea["undefined_reason"] or eb["undefined_reason"]
             row.update(ci_low=float("nan"), ci_high=float("nan"), win_fraction=float("nan"),
                        verdict=f"not comparable: {why}")
-        elif ra is None or rb is None or len(ra) != len(rb) or len(ra) == 0:
-            row.update(ci_low=float("nan"), ci_high=float("nan"), win_fraction=float("nan"),
-                       verdict="no interval: cannot decide")
         else:
-            d = np.asarray(rb) - np.asarray(ra)
-            ci = percentile_ci(d, row["delta"], row["ci_level"], len(d))
-            both = np.isfinite(ra) & np.isfinite(rb)
-            row.update(ci_low=ci.lo, ci_high=ci.hi, win_fraction=float((both & (rb > ra)).sum() / len(d)),
-                       verdict=_verdict(encoder_a, encoder_b, ci.lo, ci.hi))
+            lo, hi, win = paired_difference(ea["_reps"], eb["_reps"], row["delta"], row["ci_level"])
+            row.update(ci_low=lo, ci_high=hi, win_fraction=win, verdict=_verdict(encoder_a, encoder_b, lo, hi))
         rows.append(row)
     return rows

@@ -47,13 +47,14 @@ from ..metrics.bootstrap import cluster_counts, percentile_ci, rank_summary
 from .bundles import BundleFacts, bundle_facts
 
 __all__ = ["SCORE_COLUMNS", "PROBE_COLUMNS", "CENTRE_COLUMNS", "BOOTSTRAP_DEFAULTS", "score_entries", "score_table",
-           "probe_table", "probe_centre_table"]
+           "probe_table", "probe_centre_table", "paired_difference"]
 
 #: Columns of the tidy score table, in order (``<store>/scores.parquet``; README "Reading results").
 SCORE_COLUMNS = (
     "encoder", "view", "design", "scope", "metric", "m", "value", "ci_low", "ci_high", "ci_level", "n_boot",
     "ci_seed", "ci_method", "support", "defined", "undefined_reason", "low_support", "rank", "rank_low", "rank_high",
-    "mean_rank", "n_ranked", "win_fractions", "recall", "n_units", "n_defined", "k", "tau", "f0", "q_alpha", "ltm_alpha", "backend",
+    "mean_rank", "n_ranked", "win_fractions", "best_encoder", "delta_vs_best", "delta_ci_low", "delta_ci_high",
+    "verdict", "recall", "n_units", "n_defined", "k", "tau", "f0", "q_alpha", "ltm_alpha", "backend",
     "warnings", "fingerprint", "code_version", "finished_at",
 )
 #: Columns of the tidy probe table (``<store>/probe.parquet``): one row per probe accuracy.
@@ -65,7 +66,7 @@ BOOTSTRAP_DEFAULTS = {"n_boot": 2000, "level": 0.95, "seed": 0}
 
 _INT_COLUMNS = ("m", "n_boot", "ci_seed", "rank", "rank_low", "rank_high", "n_ranked", "n_units", "n_defined", "k")
 _FLOAT_COLUMNS = ("value", "ci_low", "ci_high", "ci_level", "support", "mean_rank", "recall", "tau", "f0",
-                  "q_alpha", "ltm_alpha")
+                  "q_alpha", "ltm_alpha", "delta_vs_best", "delta_ci_low", "delta_ci_high")
 
 
 def _num(x) -> float:
@@ -191,6 +192,38 @@ def _entry(record: dict, fp: str, reps, method: str, bootstrap: dict, *, reason:
     }
 
 
+def paired_difference(reps_a, reps_b, delta: float, level: float) -> tuple[float, float, float]:
+    """``(ci_low, ci_high, win_fraction)`` of B − A (``delta`` its point value) from the paired
+    replicates ``reps_a`` / ``reps_b`` (same draw, same length): the percentile interval of the
+    replicate differences at ``level`` and the share of replicates where B is strictly higher. NaN
+    thrice without paired replicates."""
+    if reps_a is None or reps_b is None or len(reps_a) != len(reps_b) or len(reps_a) == 0:
+        return float("nan"), float("nan"), float("nan")
+    ra, rb = np.asarray(reps_a, dtype=float), np.asarray(reps_b, dtype=float)
+    ci = percentile_ci(rb - ra, delta, level, len(ra))
+    both = np.isfinite(ra) & np.isfinite(rb)
+    return ci.lo, ci.hi, float((both & (rb > ra)).sum() / len(ra))
+
+
+def _against_best(ranked: list[dict], level: float) -> None:
+    """Each ranked entry against its group's best (rank 1; the first by name among tied ones):
+    ``delta_vs_best`` (≤ 0), its paired CI and the ``verdict``: ``best``, ``worse than X`` (the
+    interval excludes 0), ``no detectable difference from X`` or ``no interval: cannot decide``."""
+    best = min((e for e in ranked if e["rank"] == 1), key=lambda e: e["encoder"])
+    for e in ranked:
+        delta = e["value"] - best["value"]
+        lo, hi, _ = paired_difference(best["_reps"], e["_reps"], delta, level)
+        if e is best:
+            verdict = "best"
+        elif not (math.isfinite(lo) and math.isfinite(hi)):
+            verdict = "no interval: cannot decide"
+        elif hi < 0:
+            verdict = f"worse than {best['encoder']}"
+        else:
+            verdict = f"no detectable difference from {best['encoder']}"
+        e.update(best_encoder=best["encoder"], delta_vs_best=delta, delta_ci_low=lo, delta_ci_high=hi, verdict=verdict)
+
+
 def _rank(entries: list[dict], level: float) -> None:
     """Ranks within each (view, design, scope, metric, m) among the defined rows (in place)."""
     by_group: dict = {}
@@ -200,7 +233,8 @@ def _rank(entries: list[dict], level: float) -> None:
         ranked = sorted((e for e in group if e["defined"]), key=lambda e: e["encoder"])
         for e in group:
             e.update(rank=None, rank_low=None, rank_high=None, mean_rank=float("nan"), n_ranked=len(ranked),
-                     win_fractions="")
+                     win_fractions="", best_encoder=None, delta_vs_best=float("nan"), delta_ci_low=float("nan"),
+                     delta_ci_high=float("nan"), verdict="")
         if not ranked:
             continue
         names = [e["encoder"] for e in ranked]
@@ -218,6 +252,7 @@ def _rank(entries: list[dict], level: float) -> None:
             e.update(rank=summary["point_rank"][n], rank_low=summary["rank_lo"][n], rank_high=summary["rank_hi"][n],
                      mean_rank=summary["mean_rank"][n],
                      win_fractions=json.dumps(wins, sort_keys=True) if wins else "")
+        _against_best(ranked, level)
 
 
 def _frame(rows: list[dict], columns) -> pd.DataFrame:
@@ -309,24 +344,26 @@ def probe_table(store, fingerprints: Iterable[str]) -> pd.DataFrame:
 
 
 #: Columns of the per-centre probe table (``<store>/probe_centres.parquet``).
-CENTRE_COLUMNS = ("encoder", "view", "centre", "role", "role_kind", "split", "replicate", "n", "balanced_accuracy",
+CENTRE_COLUMNS = ("encoder", "view", "centre", "confounder_column", "role", "role_kind", "split", "replicate", "n", "balanced_accuracy",
                   "accuracy", "ece_raw", "ece_calibrated", "unit_fingerprint")
 
 
 def probe_centre_table(store, fingerprints: Iterable[str]) -> pd.DataFrame:
     """One row per (probe, role, centre) of the stored probe units' bundles (columns
-    :data:`CENTRE_COLUMNS`): how every probe scores on each centre, in-domain and unseen."""
+    :data:`CENTRE_COLUMNS`): how every probe scores on each centre, in-domain and unseen; ``centre``
+    is the confounder value by name, ``confounder_column`` the view column it comes from."""
     frames, seen = [], set()
     for fp in dict.fromkeys(fingerprints):
         record = store.record(fp)
         if record is None or record.get("design") != "probe" or record.get("bundle") in seen:
             continue
         seen.add(record.get("bundle"))
-        table = bundle_facts(record.get("bundle")).per_centre
+        facts = bundle_facts(record.get("bundle"))
+        table = facts.per_centre
         if table is None or not len(table):
             continue
         t = table.assign(encoder=record.get("encoder"), view=record.get("view"),
-                         unit_fingerprint=record.get("unit_fingerprint"))
+                         unit_fingerprint=record.get("unit_fingerprint"), confounder_column=facts.confounder_column)
         t["centre"] = t["centre"].astype(str)
         frames.append(t[[c for c in CENTRE_COLUMNS if c in t.columns]])
     if not frames:
