@@ -8,6 +8,7 @@ force computed here from the view and the embeddings (not from our output).
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from dataclasses import dataclass
 
@@ -143,3 +144,20 @@ def test_the_table_states_what_every_family_needs():
         families.register(families.get("ri"))
     with pytest.raises(ValueError, match="cannot be unregistered"):
         families.unregister("ri")
+
+
+def test_the_reading_guide_comes_from_the_table_and_covers_every_family():
+    """Issue 24: direction and range are stated once, in the table; the report, the run table's
+    header and a registered family all read them from there."""
+    guide = families.reading_guide()
+    assert guide.startswith("Higher is more robust, for every metric: ")
+    for fam in families.FAMILIES.values():
+        assert f"{fam.label} is {fam.reading}" in guide
+    assert families.direction_header(["ri", "apd"]) == "value (higher = more robust)"
+    assert families.direction_header(["ri", "not-a-family"]) == "value"
+    toy = dataclasses.replace(TOY, name="nn1guide", reading="the share of 1-NN with the same label, 0–1")
+    families.register(toy)
+    try:
+        assert "NN-1 is the share of 1-NN with the same label, 0–1" in families.reading_guide()
+    finally:
+        families.unregister(toy.name)

@@ -145,10 +145,11 @@ def _leaderboard(scores) -> str:
     if scores is None or len(scores) == 0:
         return ""
     rows, notes = [], {}
+    header = families.direction_header(scores["metric"].unique())
     for r in scores.to_dict("records"):
         r = {k: (None if v is pd.NA else v) for k, v in r.items()}
         rows.append({"view": r["view"], "design": r["design"], "metric": _metric_label(r), "rank": _rank_text(r),
-                     "encoder": r["encoder"], "value (higher = more robust)": r.get("value"),
+                     "encoder": r["encoder"], header: r.get("value"),
                      f"{int(round(100 * (r.get('ci_level') or 0.95)))}% CI": _interval(r.get("ci_low"), r.get("ci_high")),
                      "vs best": _versus_best(r), "support": r.get("support"), "k": r.get("k"),
                      "flags": _flags(r, notes)})

@@ -299,11 +299,9 @@ def _disagreement_html(part: pd.DataFrame) -> str:
             "before choosing.</p>")
 
 
-#: Which end of every score is better, stated wherever scores are shown (issue 24).
-DIRECTION = ("Higher is more robust, for every metric: RI and MaRI are the share of same-label (SO) "
-             "neighbours among the typed ones (0.5 = no preference, 1 = biology only); CRoMa is the margin of "
-             "same-confounder (OS) over same-label (SO) distance (> 0: biology closer); APD and nIPD are the "
-             "probe's accuracy change under confounder shift (0 = no drop, negative = a drop).")
+#: Which end of every score is better, stated wherever scores are shown (issue 24): read from the
+#: family table (:func:`cachescore.metrics.families.reading_guide`; a registered family adds itself).
+DIRECTION = families.reading_guide()
 
 
 def _overview_html(scores: pd.DataFrame | None) -> str:
@@ -319,7 +317,7 @@ def _overview_html(scores: pd.DataFrame | None) -> str:
         body = [[_td(_e(e))] + [_td(cells.get((e, c), "—"), num=True) for c in cols] for e in encoders]
         out.append(f"<h3>view {_e(view)}</h3>" + _disagreement_html(part)
                    + _table(["encoder"] + [_e(c) for c in cols], body, raw_headers=True))
-    return (f"<p class='direction'>{_e(DIRECTION)}</p>"
+    return (f"<p class='direction'>{_e(families.reading_guide())}</p>"
             "<p class='muted'>value [95% cluster-bootstrap CI over group_id; APD: over probe replicates]; "
             "★ best defined score of the column; rank with its bootstrap interval (tied or indistinguishable "
             "encoders share positions); under it the verdict against the column's best: Δ = this − best with "

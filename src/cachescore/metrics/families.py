@@ -56,7 +56,7 @@ from .probe_reductions import nipd
 from .ri import RI
 
 __all__ = ["NEIGHBOUR", "PROBE", "HIGHER", "Family", "FAMILIES", "get", "lookup", "names", "register",
-           "unregister", "display", "order"]
+           "unregister", "display", "order", "reading_guide", "direction_header"]
 
 #: ``Family.kind`` of a family scored by one work unit per parameter set over a neighbour search.
 NEIGHBOUR = "neighbour"
@@ -78,7 +78,8 @@ class Family:
     one unit per value (its value is part of labels, leaderboards and the ``m`` column);
     ``margins``: the per-unit values are margins whose ECDF the report draws;
     ``evaluation_field``: for a probe family, the ``ProbeEvaluation`` attribute holding its value
-    per matrix.
+    per matrix; ``reading``: how to read one value (its range and landmarks), stated wherever
+    scores are shown (:func:`reading_guide`).
     """
 
     name: str
@@ -98,6 +99,7 @@ class Family:
     unit_param: str | None = None
     margins: bool = False
     evaluation_field: str | None = None
+    reading: str = ""
 
     def tag(self, params: Mapping) -> str:
         """The family in a unit label: ``ri``, ``croma[m=5]``."""
@@ -262,11 +264,14 @@ _K_DOC = "candidate window sizes (operating k chosen by kNN balanced accuracy)."
 _BUILTIN = (
     Family(name="ri", label="RI", kind=NEIGHBOUR, value_range=(0.0, 1.0), neutral=0.5, has_support=True,
            doc="Robustness Index: share of same-label (SO) among the typed neighbours of a cross-group kNN window.",
+           reading="the share of same-label (SO) neighbours among the typed ones, 0–1 (0.5 = no preference, "
+                   "1 = biology only)",
            keys={"k_candidates": Key((list,), [5, 11, 21], "RI " + _K_DOC, int_list)},
            units=lambda s: [{"k_candidates": _k_list(s)}], compute=_ri_compute, record=_ratio_record,
            replicates=_ratio_replicates, scope_problem=_k_problem("ri")),
     Family(name="mari", label="MaRI", kind=NEIGHBOUR, value_range=(0.0, 1.0), neutral=0.5, has_support=True,
            doc="Margin-aware RI: the SO share weighted by exp(-distance / tau).",
+           reading="RI with closer neighbours weighing more, 0–1 (0.5 = no preference)",
            keys={"k_candidates": Key((list,), [5, 11, 21], "MaRI candidate window sizes.", int_list),
                  "tau": Key((str, int, float), "auto", "MaRI temperature: 'auto' (median typed distance) or a "
                                                       "number > 0.", tau),
@@ -275,6 +280,8 @@ _BUILTIN = (
            scope_problem=_k_problem("mari")),
     Family(name="croma", label="CRoMa", kind=NEIGHBOUR, unit_param="m", margins=True,
            doc="Confounder-robustness margin: median over units of (mean m nearest OS - mean m nearest SO distance).",
+           reading="the margin of same-confounder (OS) over same-label (SO) distance, in cosine distance "
+                   "(> 0: biology closer than the confounder)",
            keys={"m": Key((list,), [CROMA_HEADLINE_M], "Typed neighbours averaged per unit; one result (one work unit) "
                           "per m.", int_list),
                  "alpha": Key(NUM, CROMA_ALPHA, "Lower-tail level for q_alpha / ltm_alpha.", open_unit),
@@ -284,9 +291,12 @@ _BUILTIN = (
            units=_croma_units, compute=_croma_compute, record=_croma_record, replicates=_croma_replicates,
            scope_problem=_croma_problem),
     Family(name="apd", label="APD", kind=PROBE, evaluation_field="apd", replicates=_apd_replicates,
-           doc="Average performance drop of the probe under confounded training splits (0 = none)."),
+           doc="Average performance drop of the probe under confounded training splits (0 = none).",
+           reading="the probe's mean accuracy change under confounded training (0 = no drop, negative = a drop)"),
     Family(name="nipd", label="nIPD", kind=PROBE, evaluation_field="nipd", replicates=_nipd_replicates,
-           doc="Normalised integrated performance degradation over the Cramér's V grid (0 = none)."),
+           doc="Normalised integrated performance degradation over the Cramér's V grid (0 = none).",
+           reading="the probe's accuracy change integrated over the confounding grid, normalised (0 = no "
+                   "degradation, negative = a drop)"),
 )
 
 #: name -> :class:`Family`, in table order (built-ins first, then registered ones).
@@ -314,6 +324,28 @@ def names(kind: str | None = None) -> tuple[str, ...]:
 def order(name) -> int:
     """Table position of ``name`` (report order); unknown names sort after every family."""
     return list(FAMILIES).index(str(name)) if lookup(name) is not None else len(FAMILIES)
+
+
+def reading_guide() -> str:
+    """Which end of every family's score is better and how to read a value, from the table: one
+    sentence (``Higher is more robust, for every metric: RI is …; …``), what the report, the
+    README and the glossary state."""
+    fams = list(FAMILIES.values())
+    if all(f.direction == HIGHER for f in fams):
+        head = "Higher is more robust, for every metric"
+        parts = [f"{f.label} is {f.reading}" if f.reading else f.label for f in fams]
+    else:
+        head = "How to read each metric"
+        parts = [f"{f.label}: {f.direction}" + (f", {f.reading}" if f.reading else "") for f in fams]
+    return f"{head}: " + "; ".join(parts) + "."
+
+
+def direction_header(metrics) -> str:
+    """``value (higher = more robust)`` when every family among ``metrics`` (stored names) reads
+    that way, else ``value``: the header of a value column."""
+    fams = [lookup(m) for m in metrics]
+    return "value (higher = more robust)" if fams and all(f is not None and f.direction == HIGHER
+                                                          for f in fams) else "value"
 
 
 def display(metric, m=None, scope=None) -> str:
