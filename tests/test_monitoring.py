@@ -55,6 +55,24 @@ def _samples(board) -> dict:
     return out
 
 
+def test_metrics_size_does_not_grow_with_views_and_metrics():
+    """Issue 25: ``cachescore_units`` carried encoder × view × metric × state (5,760 series for 960
+    units); now by state and encoder only, so /metrics stays the same size as views and metrics grow."""
+    def exposition(n_views: int) -> tuple[int, int]:
+        board = RunBoard()
+        units = [dict(_unit(f"{e}-{v}-{m}", f"enc{e}", metric=m), view=f"v{v}")
+                 for e in range(3) for v in range(n_views) for m in ("ri", "mari", "croma")]
+        board.start({"run_id": "r", "job": "j", "store": "/s", "started": 1.0}, units)
+        reg = CollectorRegistry()
+        reg.register(BoardCollector(lambda: board))
+        text = generate_latest(reg).decode()
+        return sum(1 for line in text.splitlines() if line.startswith("cachescore_units{")), len(text)
+
+    (series_1, size_1), (series_8, size_8) = exposition(1), exposition(8)
+    assert series_1 == series_8 == 3 * len(UNIT_STATES)
+    assert size_8 - size_1 <= 3 * len(UNIT_STATES)  # only the counts' digits grow (3 -> 24 units per state)
+
+
 def test_board_states_and_prometheus_families():
     board = RunBoard()
     board.start({"run_id": "r1", "job": "demo", "store": "/s", "started": 1000.0},
@@ -64,10 +82,10 @@ def test_board_states_and_prometheus_families():
     s = _samples(board)
 
     def units(state, enc):
-        return s[("cachescore_units", (("encoder", enc), ("metric", "ri"), ("state", state), ("view", "v")))]
+        return s[("cachescore_units", (("encoder", enc), ("state", state)))]
 
     assert units("running", "enc0") == 1 and units("pending", "enc0") == 1 and units("skipped", "enc1") == 1
-    assert all(("cachescore_units", (("encoder", "enc0"), ("metric", "ri"), ("state", st), ("view", "v"))) in s
+    assert all(("cachescore_units", (("encoder", "enc0"), ("state", st))) in s
                for st in UNIT_STATES)  # zeros included
     board.finish_unit("a", {"status": "done", "seconds": 2.0, "value": 0.5, "recall": 0.97, "rows": 100,
                             "bytes_read": 6400})
@@ -177,6 +195,9 @@ def test_monitoring_examples_use_only_exported_series():
     exprs += [t["expr"] for p in dash["panels"] for t in p["targets"]]
     used = {m for e in exprs for m in re.findall(r"\bcachescore_[a-z_]+", e)}
     assert used and used <= emitted, used - emitted
+    labels = {lab for e in exprs if "cachescore_units" in e for group in re.findall(r"by \(([^)]*)\)", e)
+              for lab in (x.strip() for x in group.split(","))}
+    assert labels and labels <= {"state", "encoder"}, labels  # only the labels the series carries
     scrape = yaml.safe_load((root / "prometheus.yml").read_text())
     assert scrape["scrape_configs"][0]["metrics_path"] == "/metrics" and scrape["rule_files"] == ["alerts.yaml"]
 

@@ -74,3 +74,36 @@ def test_demo_report_renders_in_chromium_with_every_plot(demo, tmp_path):
         finally:
             browser.close()
     assert errors == []
+
+
+def test_the_dask_performance_report_renders_with_no_network(demo, tmp_path):
+    """Issue 25: the per-run Dask performance report loaded bokeh from a CDN and was blank offline;
+    it is written with bokeh inlined (``mode="inline"``). Every request that is not the file itself
+    is refused here, and the report's plots must still render."""
+    from playwright.sync_api import sync_playwright
+
+    require_chromium()
+    [report] = sorted(Path(demo.store).glob("runs/*/dask-performance-report.html"))
+    html = report.read_text(encoding="utf-8")
+    assert "cdn.bokeh.org" not in html and "cdn.pydata.org" not in html
+    errors, refused = [], []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS, env={**os.environ, "HOME": str(tmp_path)})
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.route("**/*", lambda route: route.continue_() if route.request.url.startswith("file:")
+                       else (refused.append(route.request.url), route.abort()))
+            page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
+            page.goto(report.as_uri(), wait_until="load")
+            assert page.get_by_text("Dask Performance Report").first.is_visible()
+            page.get_by_text("Task Stream", exact=True).first.click()  # a tab with a plot
+            canvases = page.locator("canvas")  # bokeh draws in shadow roots; playwright's locators pierce them
+            canvases.first.wait_for(state="visible", timeout=30_000)
+            boxes = [canvases.nth(i).bounding_box() for i in range(canvases.count())]
+            drawn = [b for b in boxes if b and b["width"] > 50 and b["height"] > 50]
+            assert len(drawn) >= 1, boxes
+            ARTIFACTS.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "dask-performance-report.png"))
+        finally:
+            browser.close()
+    assert refused == [] and errors == [], (refused[:5], errors[:5])

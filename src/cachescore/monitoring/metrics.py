@@ -5,9 +5,10 @@ adds :class:`BoardCollector` to it once per scheduler process (the scheduler plu
 a deployed scheduler (where ``cachescore run`` is only a client) exports the same series.
 Metric names (documented in the README, used by ``deploy/monitoring/``):
 
-``cachescore_units{state,encoder,view,metric}``
-    Units of the current run by state (every state of :data:`~.board.UNIT_STATES` for every
-    encoder × view × metric of the plan, zeros included).
+``cachescore_units{state,encoder}``
+    Units of the current run by state, per encoder (every state of :data:`~.board.UNIT_STATES`
+    for every encoder of the plan, zeros included): at most encoders × states series, whatever the
+    number of views and metrics (per-unit detail is on the status page and ``units.json``).
 ``cachescore_unit_duration_seconds{metric}``
     Histogram of the durations of the run's finished units.
 ``cachescore_rows_scored_total``
@@ -53,7 +54,7 @@ class BoardCollector:
         board = self.board_of()
         snap = board.snapshot() if board is not None else None
         units = GaugeMetricFamily("cachescore_units", "Units of the current cachescore run by state",
-                                  labels=["state", "encoder", "view", "metric"])
+                                  labels=["state", "encoder"])
         durations = HistogramMetricFamily("cachescore_unit_duration_seconds",
                                           "Durations of the run's finished units", labels=["metric"])
         rows = CounterMetricFamily("cachescore_rows_scored", "Rows of the units scored in this run")
@@ -67,12 +68,11 @@ class BoardCollector:
         if snap and snap["run"]:
             counts: dict = {}
             for u in snap["units"]:
-                group = (u["encoder"], u["view"], u["metric"])
-                per = counts.setdefault(group, dict.fromkeys(UNIT_STATES, 0))
+                per = counts.setdefault(str(u["encoder"]), dict.fromkeys(UNIT_STATES, 0))
                 per[u["state"]] = per.get(u["state"], 0) + 1
-            for (enc, view, metric), per in sorted(counts.items()):
+            for enc, per in sorted(counts.items()):
                 for state, n in per.items():
-                    units.add_metric([state, enc, view, metric], n)
+                    units.add_metric([state, enc], n)
             by_metric: dict = {}
             for u in snap["units"]:
                 if u["state"] in ("done", "failed") and u["seconds"] is not None:

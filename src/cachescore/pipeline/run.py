@@ -301,7 +301,7 @@ def _execute(plan, client, store, monitor, *, out, verbose, ended, summary) -> t
     if not ex.performance_report:
         return execute_plan(plan, client, **kw)
     report = Path(store.run_dir(summary.run_id)) / "dask-performance-report.html"
-    recorder = performance_report(filename=str(report))
+    recorder = performance_report(filename=str(report), mode="inline")  # bokeh inlined: opens offline
     with client.as_current():
         recorder.__enter__()
         try:
