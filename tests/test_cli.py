@@ -265,3 +265,30 @@ def test_the_run_table_states_direction_and_verdicts_and_explains_each_warning_o
     assert "worse ([-0.3000, -0.1000])" in lines[3] and "≈ best" in lines[4]
     assert lines[-1] == ("W1: 2 score(s), e.g. RuntimeWarning: dataset: RI/MaRI support is 96.8% across subset "
                          "occurrences.")
+
+
+def test_commands_start_without_the_heavy_libraries_and_a_locked_store_is_refused_at_once(demo):
+    """Issue 25: every command imported dask, distributed, matplotlib and scikit-learn before doing
+    anything. ``import cachescore.cli`` loads none of scikit-learn, scipy, distributed or
+    matplotlib, and ``run`` on a store another run holds is refused before importing distributed."""
+    import fcntl
+    import os
+    import subprocess
+    import sys
+
+    probe = ("import sys; from cachescore.cli import main; rc = main(sys.argv[1:]); "
+             "print(rc, sorted(m for m in ('sklearn', 'scipy', 'distributed', 'matplotlib') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", "import sys, cachescore.cli; print(sorted(m for m in ('sklearn', "
+                          "'scipy', 'distributed', 'matplotlib') if m in sys.modules))"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]"
+    fd = os.open(demo.store / "run.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # another run holds the store
+    try:
+        done = subprocess.run([sys.executable, "-c", probe, "run", str(demo.path)], capture_output=True, text=True)
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+    assert done.stdout.strip().splitlines()[-1] == "2 []", done.stdout + done.stderr
+    assert "is in use by" in done.stderr and "only one run per store at a time" in done.stderr
+    assert "[Errno" not in done.stderr

@@ -33,7 +33,11 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "cachescore"
 
 #: Modules that may be imported inside a function: heavy or optional, deferred on purpose.
 DEFERRED = ("numba", "pynndescent", "bokeh", "h5py", "croma", "torch", "matplotlib",
-            "distributed.diagnostics", "dask_jobqueue", "dask_kubernetes", "kubernetes")
+            "distributed.diagnostics", "dask_jobqueue", "dask_kubernetes", "kubernetes",
+            # imported where used so that every command starts at once (issue 25): scipy (the
+            # bootstrap's Spearman), dask.array (lazy cache embeddings), and the CLI's heavy commands
+            "scipy", "sklearn", "dask.array", "dask.base", "dask.highlevelgraph",
+            "cachescore.report", "cachescore.pipeline.run", "cachescore.pipeline.watch")
 
 #: Layer order, lowest first: a package may import only packages at its own level or below.
 LAYERS = [

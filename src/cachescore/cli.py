@@ -51,17 +51,16 @@ from .jobs.schema import CLUSTER_KINDS
 from .jobs.sections import as_dict
 from .metrics import families
 from ._jsonsafe import json_safe
-from .pipeline import plan_job, run_job, unit_status
+from .pipeline.plan import plan_job
+from .pipeline.status import unit_status
 from .pipeline.plan import empty_plan_hint
 from .pipeline.status import damaged_units
-from .pipeline.run import plan_results
+from .pipeline.tables import plan_results
 from .pipeline.prune import prune_store
 from .pipeline.validate import refuse_invalid, validate_plan
 from .store import REPORT_FILE, CorruptRecordError, ResultsStore, is_store
 from .store.lock import StoreLock, process_alive
 from .store.verify import verify_store
-from .pipeline.watch import watch_job
-from .report import build_report
 from .results import compare_encoders, export_tables, read_scores
 from ._atomic import atomic_write_bytes
 
@@ -175,6 +174,10 @@ def _run_line(summary) -> str:
 
 def _cmd_run(args) -> int:
     job = load_job(args.job)
+    if is_store(job.store):
+        StoreLock(job.store, "run").check()  # a busy store is refused now, before any cluster or heavy import
+    from .pipeline.run import run_job  # deferred: distributed is imported only by a run that will start
+
     out = None if args.quiet else sys.stderr
     try:
         summary = run_job(job, scheduler=args.scheduler, out=out, cluster=getattr(args, "cluster", None),
@@ -396,6 +399,8 @@ def _cmd_export(args) -> int:
 
 
 def _cmd_watch(args) -> int:
+    from .pipeline.watch import watch_job  # deferred: distributed is imported only when watching
+
     polls = watch_job(args.job, interval=args.interval, max_runs=args.max_runs, scheduler=args.scheduler,
                       cluster=args.cluster, out=sys.stderr, progress=not args.quiet, verbose=args.verbose)
     failed = sum(len(p.summary.failures) for p in polls if p.summary is not None)
@@ -479,6 +484,8 @@ def _cmd_report(args) -> int:
         store = ResultsStore.open(job.store)
         if _refuse_damaged(args.job, plan_job(job, cache=cache, store=store), store):
             return 2
+    from .report import build_report  # deferred: matplotlib is imported only to draw a report
+
     path = build_report(job.store, out, cache=cache)
     print(f"report: {path}")
     return 0

@@ -46,7 +46,8 @@ CODE_VERSION_ENV = "CACHESCORE_CODE_VERSION"
 CODE_SOURCES: dict[str, tuple[str, ...]] = {
     "score": ("cachescore.metrics", "cachescore.neighbors", "cachescore.manifest", "cachescore.pipeline.unit",
               "cachescore._finite", "cachescore._threads", "cachescore.errors", "cachescore.types"),
-    "probe": ("cachescore.probe", "cachescore.metrics.probe_reductions", "cachescore.pipeline.probe_unit"),
+    "probe": ("cachescore.probe", "cachescore.metrics.probe_reductions", "cachescore.pipeline.probe_unit",
+              "cachescore.pipeline.probe_identity"),
 }
 
 

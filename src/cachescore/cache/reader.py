@@ -14,13 +14,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import dask.array as da
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
-from dask.base import tokenize
-from dask.highlevelgraph import HighLevelGraph
 
 from .._finite import nonfinite_rows
 from .._hashing import sha256_file
@@ -77,7 +74,16 @@ def _view_mismatch(view: str, table: Path, sidecar: Path, attempts: int) -> View
     )
 
 
+def tokenize(*args) -> str:
+    """dask's deterministic token of ``args`` (the lazy arrays' graph names)."""
+    from dask.base import tokenize as dask_tokenize  # deferred: dask only when an array is built
+
+    return dask_tokenize(*args)
+
+
 def _dask_array(name: str, tasks: list, chunks: tuple, dtype: np.dtype):
+    import dask.array as da  # deferred: a command that never builds a lazy array does not import dask
+    from dask.highlevelgraph import HighLevelGraph  # deferred, as dask.array
 
     dsk = {(name, i, 0): task for i, task in enumerate(tasks)}
     graph = HighLevelGraph.from_collections(name, dsk, dependencies=())

@@ -13,8 +13,9 @@ read off the cumulative cluster multiplicities (an exact order statistic, so bit
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
-from scipy.stats import rankdata, spearmanr
 
 from ..types import BootstrapCI, RankStability
 
@@ -84,32 +85,58 @@ def _multiplicities(picks: np.ndarray, k: int) -> np.ndarray:
     return np.bincount(flat, minlength=b * k).reshape(b, k)
 
 
+def _block_rows(n_values: int, n_clusters: int) -> int:
+    """Rows per block of :func:`_weighted_medians`: about ``sqrt(V) / 1.5`` rounded to a power of
+    two in [8, 4096] (measured best at 2,000 and 200,000 values: ``benchmarks/bootstrap_speed.py``),
+    raised so the (clusters × blocks) matrix stays within ``_CHUNK_ENTRIES`` entries."""
+    rows = 2 ** int(round(math.log2(max(1.0, math.sqrt(n_values) / 1.5))))
+    rows = min(4096, max(8, rows))
+    return max(rows, -(-n_values * max(1, n_clusters) // _CHUNK_ENTRIES))
+
+
 def _weighted_medians(values: np.ndarray, member: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """Median of the multiset {value_j repeated counts[b, member_j] times} for every replicate b.
 
     ``values`` (V,) finite, ``member`` (V,) cluster numbers, ``counts`` (B, K). NaN where the
     multiset is empty. Equal to ``np.median`` of the concatenated rows, bit for bit.
+
+    No loop over replicates or rows: the values are sorted once and cut into blocks of ``L`` rows
+    (:func:`_block_rows`); each replicate's multiplicity per block is one product of its cluster
+    counts with the (clusters × blocks) membership counts (exact integers in float64), whose
+    cumulative sums locate the block holding each order statistic; inside that block the rows'
+    multiplicities are gathered and summed — B × (K × V / L + L) work instead of B × V.
     """
     n_rep = counts.shape[0]
     out = np.full(n_rep, np.nan)
     if values.size == 0 or n_rep == 0:
         return out
     order = np.argsort(values, kind="stable")
-    v, mem = values[order], member[order]
-    # int32 multiplicities halve the memory traffic of the (replicates × values) passes; a
-    # replicate's total is at most n_clusters × the largest cluster, far below 2^31 here
-    small = counts.size == 0 or int(counts.max()) * v.size < 2**31
-    counts = counts.astype(np.int32 if small else np.int64, copy=False)
-    step = max(1, _CHUNK_ENTRIES // v.size)
+    v, mem = values[order], np.asarray(member)[order]
+    n, k = v.size, counts.shape[1]
+    width = _block_rows(n, k)
+    n_blocks = -(-n // width)
+    block_of = np.arange(n) // width
+    per_block = np.bincount(mem * n_blocks + block_of, minlength=k * n_blocks).reshape(k, n_blocks)
+    per_block = per_block.astype(np.float64)
+    step = max(1, _CHUNK_ENTRIES // max(width, n_blocks))
+    offsets = np.arange(width)
     for s in range(0, n_rep, step):
-        cum = np.cumsum(counts[s : s + step][:, mem], axis=1, dtype=counts.dtype)
-        total = cum[:, -1].astype(np.int64)
-        lo = (total - 1) // 2
-        hi = total // 2
-        # every row of ``cum`` is non-decreasing: one binary search per row and order statistic
-        i_lo = np.array([np.searchsorted(row, x, side="right") for row, x in zip(cum, lo)], dtype=np.int64)
-        i_hi = np.array([np.searchsorted(row, x, side="right") for row, x in zip(cum, hi)], dtype=np.int64)
-        i_lo, i_hi = np.minimum(i_lo, v.size - 1), np.minimum(i_hi, v.size - 1)
+        c = counts[s : s + step].astype(np.float64)  # multiplicities: integers, exact in float64
+        cum_blocks = np.cumsum(c @ per_block, axis=1)
+        total = cum_blocks[:, -1]
+        rep = np.arange(c.shape[0])
+
+        def position(rank: np.ndarray) -> np.ndarray:
+            # the first sorted position whose cumulative multiplicity exceeds ``rank``
+            blk = np.minimum((cum_blocks <= rank[:, None]).sum(axis=1), n_blocks - 1)
+            before = np.where(blk > 0, cum_blocks[rep, np.maximum(blk - 1, 0)], 0.0)
+            pos = blk[:, None] * width + offsets[None, :]
+            w = np.take_along_axis(c, mem[np.minimum(pos, n - 1)], axis=1)
+            w[pos >= n] = 0.0
+            inside = (np.cumsum(w, axis=1) <= (rank - before)[:, None]).sum(axis=1)
+            return np.minimum(blk * width + inside, n - 1)
+
+        i_lo, i_hi = position(np.floor((total - 1) / 2)), position(np.floor(total / 2))
         med = np.where(i_lo == i_hi, v[i_lo], (v[i_lo] + v[i_hi]) / 2)
         med[total == 0] = np.nan
         out[s : s + step] = med
@@ -261,6 +288,8 @@ def bootstrap_spearman(x, y, *, n_boot: int = 2000, level: float = 0.95, seed: i
     replicate in which either side has fewer than 2 distinct values is NaN (dropped from the CI).
     Raises ``ValueError`` when the shapes differ.
     """
+    from scipy.stats import rankdata, spearmanr  # deferred: scipy.stats costs ~1 s at every command's start
+
     x = np.asarray(x, dtype=float)
     y = np.asarray(y, dtype=float)
     if x.shape != y.shape:

@@ -13,14 +13,26 @@ Only orchestration lives here; the engines are in :mod:`cachescore.neighbors`, t
 * :func:`watch_job` – poll the cache and re-score when there is new work (``cachescore watch``).
 """
 
-from .cluster import SingleThreadBLAS, open_client
-from .execute import execute_plan
-from .outcome import UnitOutcome
-from .plan import InvalidUnit, Plan, UnitKind, WorkUnit, code_version, plan_job
-from .run import RunSummary, run_job
-from .status import pending_reasons, unit_status
-from .unit import run_probe_task, run_unit, score_unit
-from .watch import WatchPoll, poll_job, watch_job
+from importlib import import_module
+
+#: Public name -> its module; imported on first use (PEP 562), so a command that only plans or
+#: reads a store (``status``, ``validate``, ``export``) does not import distributed.
+_EXPORTS = {
+    "SingleThreadBLAS": ".cluster", "open_client": ".cluster", "execute_plan": ".execute", "UnitOutcome": ".outcome",
+    "InvalidUnit": ".plan", "Plan": ".plan", "UnitKind": ".plan", "WorkUnit": ".plan", "code_version": ".plan",
+    "plan_job": ".plan", "RunSummary": ".run", "run_job": ".run", "pending_reasons": ".status",
+    "unit_status": ".status", "run_probe_task": ".unit", "run_unit": ".unit", "score_unit": ".unit",
+    "WatchPoll": ".watch", "poll_job": ".watch", "watch_job": ".watch",
+}
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(import_module(_EXPORTS[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'cachescore.pipeline' has no attribute {name!r}")
+
 
 __all__ = [
     "UnitKind",
@@ -44,3 +56,7 @@ __all__ = [
     "poll_job",
     "WatchPoll",
 ]
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -34,7 +34,7 @@ from ..jobs.sections import as_dict
 from ..metrics import families
 from ..neighbors.registry import engine_params, is_out_of_core
 from ..store import ResultsStore
-from .probe_unit import probe_record_fingerprint, probe_record_keys, probe_unit_done, probe_unit_fingerprint
+from .probe_identity import probe_record_fingerprint, probe_record_keys, probe_unit_done, probe_unit_fingerprint
 
 __all__ = ["empty_plan_hint", "undefined_scope", "UnitKind", "WorkUnit", "InvalidUnit", "Plan", "plan_job", "code_version", "unit_fingerprint"]
 
@@ -318,7 +318,7 @@ class _Planner:
         if key not in self._embeddings:
             try:
                 fp = self.fps.embedding(enc, tileset)
-                self._embeddings[key] = (fp, int(self.cache.embeddings(enc, tileset).shape[1]), None)
+                self._embeddings[key] = (fp, int(self.cache.meta(enc, tileset).dim), None)
                 self.inputs[f"embeddings/{enc}/{tileset}"] = fp
             except (ValueError, OSError) as exc:
                 self._embeddings[key] = (None, None, _error(exc))

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from ..store.lock import StoreLock
 from .plan import UnitKind, params_json
-from .probe_unit import probe_record_keys
+from .probe_identity import probe_record_keys
 
 __all__ = ["PruneReport", "PruneRefused", "prune_store", "scope_keys"]
 

@@ -25,9 +25,7 @@ from distributed import performance_report
 
 from ..cache.synthetic import make_demo_cache
 from ..errors import RunAborted, RunInterrupted
-from ..jobs.sections import as_dict
 from ..monitoring import RunMonitor, page_url, unit_entry
-from ..results import build_results, publish_results
 from ..store import ResultsStore
 from ..store.lock import StoreLock
 from .cluster import client_for
@@ -37,9 +35,10 @@ from .messages import free_space, say
 from .outcome import DONE, UnitOutcome
 from .plan import Plan, empty_plan_hint, plan_job, unit_is_stored
 from .provenance import Provenance, hardware, new_run_id
+from .tables import publish_plan_results
 from .validate import refuse_invalid, validate_plan
 
-__all__ = ["RunSummary", "run_job", "ensure_demo_cache", "plan_results", "publish_plan_results"]
+__all__ = ["RunSummary", "run_job", "ensure_demo_cache"]
 
 
 @dataclass
@@ -84,25 +83,6 @@ def ensure_demo_cache(job, out: TextIO | None = sys.stderr) -> bool:
     make_demo_cache(job.cache, n_slides_per_cell=d.n_slides_per_cell, tiles_per_slide=d.tiles_per_slide, dim=d.dim,
                     seed=d.seed, overwrite=Path(job.cache).exists())
     return True
-
-
-def _tables_of(plan: Plan) -> dict:
-    """The arguments of :mod:`cachescore.results`' table builders for the plan's current records."""
-    job = plan.job
-    return dict(cache_root=job.cache, fingerprints=plan.record_fingerprints(),
-                bootstrap=as_dict(job.metrics.bootstrap), min_support=job.report.min_support)
-
-
-def plan_results(plan: Plan, store) -> tuple:
-    """``(scores, probe, probe_centres)`` of the plan's current records
-    (:func:`cachescore.results.build_results` with the job's ``[metrics] bootstrap`` and
-    ``[report] min_support``); nothing is written."""
-    return build_results(store, **_tables_of(plan))
-
-
-def publish_plan_results(plan: Plan, store, *, out: TextIO | None = None) -> dict:
-    """:func:`cachescore.results.publish_results` of the plan's current records (as :func:`plan_results`)."""
-    return publish_results(store, **_tables_of(plan), out=out)
 
 
 def _store_writable(store) -> bool:

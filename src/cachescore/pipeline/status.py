@@ -25,7 +25,7 @@ import json
 
 from ..store import ResultsStore
 from .plan import UnitKind, params_json, plan_job
-from .probe_unit import probe_record_fingerprint, probe_record_keys
+from .probe_identity import probe_record_fingerprint, probe_record_keys
 
 __all__ = ["unit_status", "pending_reasons", "StoreIndex", "damaged_units"]
 

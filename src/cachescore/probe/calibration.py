@@ -24,9 +24,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import pandas as pd
-from scipy.optimize import minimize_scalar
-from scipy.special import log_softmax, softmax
-from sklearn.metrics import confusion_matrix
 
 from ..errors import UnscorableError
 
@@ -158,6 +155,8 @@ def decision_to_probabilities(decision) -> np.ndarray:
     ``[0, z]``, which makes the softmax equal to scikit-learn's ``predict_proba`` (the logistic
     sigmoid). Raises ValueError for non-finite scores or a bad shape.
     """
+    from scipy.special import softmax  # deferred: scipy only when calibrating
+
     z = np.asarray(decision, dtype=np.float64)
     if z.ndim == 1:
         z = np.column_stack([np.zeros_like(z), z])
@@ -316,6 +315,8 @@ def confusion_counts(y, predicted, n_classes: int, *, normalize: bool = False) -
     With ``normalize=True`` each row is divided by its true-class total; a class with no
     support keeps an all-zero row.
     """
+    from sklearn.metrics import confusion_matrix  # deferred: scikit-learn only when scoring
+
     y = np.asarray(y)
     predicted = np.asarray(predicted)
     if y.shape != predicted.shape or y.ndim != 1:
@@ -332,6 +333,8 @@ def confusion_counts(y, predicted, n_classes: int, *, normalize: bool = False) -
 
 def apply_temperature(decision, temperature: float) -> np.ndarray:
     """``softmax(decision / T)`` row-wise, float64 (n, K). ``T`` must be finite and > 0."""
+    from scipy.special import softmax  # deferred: scipy only when calibrating
+
     t = float(temperature)
     if not math.isfinite(t) or t <= 0:
         raise ValueError(f"temperature must be finite and positive, got {temperature!r}")
@@ -340,6 +343,8 @@ def apply_temperature(decision, temperature: float) -> np.ndarray:
 
 
 def _nll_at(z: np.ndarray, y: np.ndarray, t: float) -> float:
+    from scipy.special import log_softmax  # deferred: scipy only when calibrating
+
     lp = log_softmax(z / t, axis=1)
     return float(-np.mean(lp[np.arange(z.shape[0]), y]))
 
@@ -363,6 +368,8 @@ def fit_temperature(y, decision) -> float:
     RuntimeError
         The optimiser reports failure.
     """
+    from scipy.optimize import minimize_scalar  # deferred: scipy only when calibrating
+
     z = _check_logits(decision)
     y = _check_labels(y, z.shape[0], z.shape[1])
     if z.shape[0] < 2:

@@ -19,10 +19,12 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-from sklearn.exceptions import ConvergenceWarning
-from sklearn.linear_model import LogisticRegression
-from sklearn.metrics import balanced_accuracy_score
+
+if TYPE_CHECKING:  # scikit-learn is imported where a probe is fitted (a command that only plans never pays for it)
+    from sklearn.linear_model import LogisticRegression
 
 __all__ = ["C_GRID", "ProbeOutcome", "balanced_accuracy", "fit_probe"]
 
@@ -92,6 +94,8 @@ def balanced_accuracy(y_true: np.ndarray, y_pred: np.ndarray) -> float:
     row dropped (no warning), ``numpy.mean`` of the rest. Falls back to scikit-learn's function
     (and its errors) for anything that is not a pair of 1-D integer arrays.
     """
+    from sklearn.metrics import balanced_accuracy_score  # deferred: scikit-learn only when scoring a probe
+
     y_true = np.asarray(y_true)
     y_pred = np.asarray(y_pred)
     if (
@@ -180,6 +184,9 @@ def fit_probe(
         Whatever scikit-learn raises (e.g. a single training class, NaN in a test set, string
         test labels): the probe has no fallback.
     """
+    from sklearn.exceptions import ConvergenceWarning  # deferred: scikit-learn only when fitting
+    from sklearn.linear_model import LogisticRegression  # deferred, as above
+
     train_rows = np.asarray(train_rows, dtype=np.int64)
     val_rows = np.asarray(val_rows, dtype=np.int64)
     test_rows = np.asarray(test_rows, dtype=np.int64)

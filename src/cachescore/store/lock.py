@@ -181,6 +181,34 @@ class StoreLock:
             return None, None
         return (info, age) if isinstance(info, dict) else (None, None)
 
+    def _busy(self) -> StoreLockedError:
+        holder, age = self.holder()
+        return StoreLockedError(
+            errno.EBUSY, f"results store {self.path.parent} is in use by "
+            f"{_describe(holder, age) if holder else 'another process'}; only one run per store at a time "
+            f"(lock file {self.path})")
+
+    def check(self) -> None:
+        """Raise :class:`StoreLockedError` at once when a live run holds the lock (what
+        :meth:`acquire` would raise for a busy lock); takes nothing and writes nothing, so a
+        command can refuse before it starts any work (a stale holder is left to :meth:`acquire`)."""
+        if lock_file_problem(self.path) is not None:
+            return  # absent, or a file acquire() refuses by name itself
+        try:
+            fd = os.open(self.path, _open_flags(write=False))
+        except OSError:
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise self._busy() from None
+                return
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
     # -- locking ------------------------------------------------------------------------------
     def _refuse(self, why: str) -> LockFileError:
         return LockFileError(errno.EPERM, f"results store {self.path.parent}: lock file {self.path} {why}")
@@ -211,11 +239,7 @@ class StoreLock:
             except OSError as exc:
                 if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     raise
-                holder, age = self.holder()
-                raise StoreLockedError(
-                    errno.EBUSY, f"results store {self.path.parent} is in use by "
-                    f"{_describe(holder, age) if holder else 'another process'}; only one run per store at a time "
-                    f"(lock file {self.path})") from None
+                raise self._busy() from None
             holder, age = self.holder()
             if holder:
                 alive = process_alive(holder)
