@@ -369,3 +369,45 @@ def test_probe_centres_are_named_and_the_report_shows_the_run_that_produced_the_
     page = build_report(job.store, tmp_path / "r.html").read_text(encoding="utf-8")
     section = page[page.index('<h2 id="provenance">Provenance of the run that produced the latest scores'):]
     assert f"<td>{producing[0]}</td>" in section.split("<h3>")[0] and len(producing) == 1
+
+
+def test_a_publication_with_nothing_new_reads_no_per_unit_table_and_one_new_record_recomputes_its_group(
+        demo, tmp_path, monkeypatch):
+    """Issue 25: every run recomputed every score's CI (a no-op re-score took 47 s). Groups whose
+    records, settings and code are unchanged come from ``<store>/table-cache``; rows are identical."""
+    import shutil
+
+    from cachescore.results import publish_results
+    from cachescore.results import scores as scores_mod
+    from cachescore.store import TABLE_CACHE_DIR
+
+    shutil.copytree(demo.store, tmp_path / "store")
+    shutil.rmtree(tmp_path / "store" / TABLE_CACHE_DIR, ignore_errors=True)
+    store = ResultsStore(tmp_path / "store")
+    fps = plan_job(dataclasses.replace(demo, store=tmp_path / "store"), store=store).record_fingerprints()
+    kw = dict(bootstrap=as_dict(demo.metrics.bootstrap), min_support=0.5)
+    calls = []
+    real = scores_mod._metric_entry
+    monkeypatch.setattr(scores_mod, "_metric_entry", lambda fp, *a, **k: calls.append(fp) or real(fp, *a, **k))
+    publish_results(store, demo.cache, fps, **kw)
+    first, n_first = pd.read_parquet(tmp_path / "store" / "scores.parquet"), len(calls)
+    assert n_first == int((first["design"] != "probe").sum()) > 0
+    kept = sorted((tmp_path / "store" / TABLE_CACHE_DIR).glob("*.parquet"))
+    assert len(kept) == first.groupby(["view", "design", "scope", "metric", "m"], dropna=False).ngroups
+    publish_results(store, demo.cache, fps, **kw)  # nothing new: no entry is recomputed
+    second = pd.read_parquet(tmp_path / "store" / "scores.parquet")
+    assert len(calls) == n_first
+    pd.testing.assert_frame_equal(first, second)
+    # one more record in one group (a twin encoder's RI on centre_all): that group only
+    row = first[(first["metric"] == "ri") & (first["view"] == "centre_all")].iloc[0]
+    twin = "e" * 64
+    store.write_unit(twin, record=dict(store.record(row["fingerprint"]), encoder="enc9"),
+                     per_unit=store.per_unit(row["fingerprint"]))
+    publish_results(store, demo.cache, fps + [twin], **kw)
+    third = pd.read_parquet(tmp_path / "store" / "scores.parquet")
+    group = first[(first["metric"] == "ri") & (first["view"] == "centre_all") & (first["design"] == row["design"])]
+    assert len(calls) - n_first == len(group) + 1  # the group's old records and the new one
+    assert len(third) == len(first) + 1 and "enc9" in set(third["encoder"])
+    others = lambda df: df[~((df["metric"] == "ri") & (df["view"] == "centre_all"))].reset_index(drop=True)  # noqa: E731
+    pd.testing.assert_frame_equal(others(first), others(third))
+    assert len(list((tmp_path / "store" / TABLE_CACHE_DIR).glob("*.parquet"))) == len(kept)  # superseded removed

@@ -48,6 +48,8 @@ CODE_SOURCES: dict[str, tuple[str, ...]] = {
               "cachescore._finite", "cachescore._threads", "cachescore.errors", "cachescore.types"),
     "probe": ("cachescore.probe", "cachescore.metrics.probe_reductions", "cachescore.pipeline.probe_unit",
               "cachescore.pipeline.probe_identity"),
+    # the tidy tables' intervals, ranks and verdicts (their kept groups: cachescore.results.memo)
+    "tables": ("cachescore.results", "cachescore.metrics"),
 }
 
 

@@ -11,19 +11,25 @@ from typing import TextIO
 
 from ..cache import Cache
 from ..store import CorruptRecordError
+from .memo import TableMemo
 from .scores import probe_centre_table, probe_table, score_table
 from .tables import publish_tables
 
 __all__ = ["build_results", "publish_results"]
 
 
-def build_results(store, cache_root, fingerprints, *, bootstrap: dict | None, min_support: float) -> tuple:
+def build_results(store, cache_root, fingerprints, *, bootstrap: dict | None, min_support: float,
+                  keep: bool = False) -> tuple:
     """``(scores, probe, probe_centres)``: the tidy tables of the records ``fingerprints`` (a
     job's current records) in ``store``, scored against the cache at ``cache_root`` with the job's
     ``[metrics] bootstrap`` and ``[report] min_support``. Records the store lacks are left out;
     nothing is written. Raises what the tables raise for bad inputs (``ValueError``) or a damaged
-    record (:class:`~cachescore.store.CorruptRecordError`)."""
-    scores = score_table(store, Cache(cache_root), fingerprints, bootstrap=bootstrap, min_support=float(min_support))
+    record (:class:`~cachescore.store.CorruptRecordError`). Groups unchanged since they were last
+    kept in the store (:class:`~.memo.TableMemo`) are read from there; ``keep`` (publication only:
+    read-only commands never write) keeps the recomputed ones."""
+    memo = TableMemo(store.path, writable=keep)
+    scores = score_table(store, Cache(cache_root), fingerprints, bootstrap=bootstrap, min_support=float(min_support),
+                         memo=memo)
     return scores, probe_table(store, fingerprints), probe_centre_table(store, fingerprints)
 
 
@@ -34,7 +40,8 @@ def publish_results(store, cache_root, fingerprints, *, bootstrap: dict | None, 
     "probe": path, ...}``, or ``{}`` when a table could not be built or written (the reason is
     printed on ``out``; the stored records are untouched and the next run tries again)."""
     try:
-        tables = build_results(store, cache_root, fingerprints, bootstrap=bootstrap, min_support=min_support)
+        tables = build_results(store, cache_root, fingerprints, bootstrap=bootstrap, min_support=min_support,
+                               keep=True)
         return {k: str(v) for k, v in publish_tables(store.path, *tables).items()}
     except (ValueError, OSError, CorruptRecordError) as exc:  # bad inputs or a damaged record: say so, go on
         if out is not None:

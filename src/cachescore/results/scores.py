@@ -45,6 +45,7 @@ import pandas as pd
 from ..metrics import families
 from ..metrics.bootstrap import cluster_counts, percentile_ci, rank_summary
 from .bundles import BundleFacts, bundle_facts
+from .memo import group_token
 
 __all__ = ["SCORE_COLUMNS", "PROBE_COLUMNS", "CENTRE_COLUMNS", "BOOTSTRAP_DEFAULTS", "score_entries", "score_table",
            "probe_table", "probe_centre_table", "paired_difference"]
@@ -270,31 +271,50 @@ def _frame(rows: list[dict], columns) -> pd.DataFrame:
     return df
 
 
+class _Entries:
+    """Builds score entries of stored records, sharing view frames, bootstrap draws and bundle
+    facts across the records of one call."""
+
+    def __init__(self, store, cache, bootstrap: dict, min_support: float):
+        self.store, self.bootstrap, self.min_support = store, bootstrap, float(min_support)
+        self.views = _Views(cache, bootstrap)
+        self.facts: dict = {}
+
+    def entry(self, fp: str, record: dict) -> dict:
+        if record.get("design") == "probe":
+            bundle = record.get("bundle")
+            if bundle not in self.facts:
+                self.facts[bundle] = bundle_facts(bundle)
+            return _probe_entry(fp, record, self.bootstrap, self.facts[bundle])
+        return _metric_entry(fp, record, self.store, self.views, self.bootstrap, self.min_support)
+
+
 def score_entries(store, cache, fingerprints: Iterable[str], *, bootstrap: dict | None = None,
                   min_support: float = 0.5) -> list[dict]:
     """One dict per stored record of ``fingerprints``: the :data:`SCORE_COLUMNS` fields (unranked)
     plus ``_reps``, the score's replicate values (shared draw per view × design; None without an
     interval). What :func:`score_table` and :func:`~.compare.compare_encoders` build on."""
     bootstrap = dict(BOOTSTRAP_DEFAULTS, **(bootstrap or {}))
-    views = _Views(cache, bootstrap)
-    facts: dict = {}
+    build = _Entries(store, cache, bootstrap, min_support)
     entries = []
     for fp in dict.fromkeys(fingerprints):
         record = store.record(fp)
-        if record is None:
-            continue
-        if record.get("design") == "probe":
-            bundle = record.get("bundle")
-            if bundle not in facts:
-                facts[bundle] = bundle_facts(bundle)
-            entries.append(_probe_entry(fp, record, bootstrap, facts[bundle]))
-        else:
-            entries.append(_metric_entry(fp, record, store, views, bootstrap, float(min_support)))
+        if record is not None:
+            entries.append(build.entry(fp, record))
     return entries
 
 
+def _group_of(record: dict) -> tuple:
+    """The leaderboard group of a record: ``(view, design, scope, metric, m)`` as :func:`_rank`
+    groups its entries (scope for probe records only, ``m`` as an int or None)."""
+    m = record.get("m")
+    m = None if m is None or (isinstance(m, float) and math.isnan(m)) else int(m)
+    scope = record.get("scope") if record.get("design") == "probe" else None
+    return tuple(str(x) for x in (record.get("view"), record.get("design"), scope, record.get("metric"), m))
+
+
 def score_table(store, cache, fingerprints: Iterable[str], *, bootstrap: dict | None = None,
-                min_support: float = 0.5) -> pd.DataFrame:
+                min_support: float = 0.5, memo=None) -> pd.DataFrame:
     """The tidy score table of the stored records ``fingerprints`` (absent ones are skipped).
 
     ``store``: a ``ResultsStore``; ``cache``: the job's ``Cache`` (views give ``group_id``, labels
@@ -302,11 +322,34 @@ def score_table(store, cache, fingerprints: Iterable[str], *, bootstrap: dict | 
     :data:`BOOTSTRAP_DEFAULTS`). Columns :data:`SCORE_COLUMNS`; sorted by view, design, scope,
     metric, m, rank (unranked last), encoder. Raises what reading the store or the views raises
     (``CorruptRecordError``, cache errors).
+
+    ``memo`` (a :class:`~.memo.TableMemo`): each group's rows are taken from it when its
+    :func:`~.memo.group_token` is kept there — no per-unit table read, no replicate drawn — and
+    computed (and kept, when the memo is writable) otherwise; groups no longer part of the table
+    are dropped from a writable memo. Rows are identical either way.
     """
     bootstrap = dict(BOOTSTRAP_DEFAULTS, **(bootstrap or {}))
-    entries = score_entries(store, cache, fingerprints, bootstrap=bootstrap, min_support=min_support)
-    _rank(entries, float(bootstrap["level"]))
-    df = _frame(entries, SCORE_COLUMNS)
+    groups: dict = {}
+    for fp in dict.fromkeys(fingerprints):
+        record = store.record(fp)
+        if record is not None:
+            groups.setdefault(_group_of(record), []).append((fp, record))
+    build = _Entries(store, cache, bootstrap, min_support)
+    frames, tokens = [], []
+    for members in groups.values():
+        token = group_token([fp for fp, _ in members], bootstrap, min_support) if memo is not None else None
+        kept = memo.get(token) if memo is not None else None
+        if kept is None:
+            entries = [build.entry(fp, record) for fp, record in members]
+            _rank(entries, float(bootstrap["level"]))
+            kept = _frame(entries, SCORE_COLUMNS)
+            if memo is not None:
+                memo.put(token, kept)
+        frames.append(kept)
+        tokens.append(token)
+    if memo is not None:
+        memo.keep_only(tokens)
+    df = pd.concat(frames, ignore_index=True) if frames else _frame([], SCORE_COLUMNS)
     if len(df):
         df = df.sort_values(["view", "design", "scope", "metric", "m", "rank", "encoder"], na_position="last",
                             kind="stable").reset_index(drop=True)

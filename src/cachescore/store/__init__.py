@@ -9,6 +9,7 @@ from .results import (
     BUNDLES_DIR,
     CENTRES_FILE,
     SCRATCH_DIR,
+    TABLE_CACHE_DIR,
     PROBE_FILE,
     REPORT_FILE,
     SCORES_FILE,
@@ -24,4 +25,4 @@ from .schema import FAILURES_SCHEMA, SCORES_SCHEMA
 
 __all__ = ["fingerprint", "canonical_json", "ResultsStore", "StoreError", "CorruptRecordError",
            "SCORES_SCHEMA", "FAILURES_SCHEMA", "STORE_MARKER", "SCORES_FILE", "PROBE_FILE", "CENTRES_FILE",
-           "REPORT_FILE", "BUNDLES_DIR", "SCRATCH_DIR", "is_store", "scratch_path", "default_bundles"]
+           "REPORT_FILE", "BUNDLES_DIR", "SCRATCH_DIR", "TABLE_CACHE_DIR", "is_store", "scratch_path", "default_bundles"]

@@ -11,6 +11,7 @@
       runs/<run_id>/                          # + the Dask performance report HTML
       bundles/                                # probe evaluation bundles (default [job] bundles)
       scratch/                                # transient engine artefacts (out of core: scratch/large)
+      table-cache/<token>.parquet             # each leaderboard group's rows, by what they depend on
 
 Publication protocol of :meth:`ResultsStore.write_unit`: the per-unit Parquet is written under a
 unique name (atomic), then the envelope JSON, naming that file and its sha256, is written to a
@@ -57,7 +58,7 @@ from .schema import (
 )
 
 __all__ = ["ResultsStore", "StoreError", "CorruptRecordError", "StoreWriteError", "STORE_MARKER", "SCORES_FILE",
-           "PROBE_FILE", "CENTRES_FILE", "REPORT_FILE", "BUNDLES_DIR", "SCRATCH_DIR", "is_store", "scratch_path",
+           "PROBE_FILE", "CENTRES_FILE", "REPORT_FILE", "BUNDLES_DIR", "SCRATCH_DIR", "TABLE_CACHE_DIR", "is_store", "scratch_path",
            "default_bundles"]
 
 #: The files of a store's top level (the one place they are spelled; README "Reading results").
@@ -70,6 +71,8 @@ REPORT_FILE = "report.html"
 #: engines' transient scratch.
 BUNDLES_DIR = "bundles"
 SCRATCH_DIR = "scratch"
+#: The incremental score tables' kept groups (``cachescore.results.memo``).
+TABLE_CACHE_DIR = "table-cache"
 
 
 def scratch_path(store_root) -> Path:
