@@ -60,11 +60,11 @@ class TableMemo:
         if not self.writable:
             return
         buf = io.BytesIO()
-        frame.to_parquet(buf, index=False)
         try:
+            frame.to_parquet(buf, index=False)
             self.folder.mkdir(parents=True, exist_ok=True)
             atomic_write_bytes(self._path(token), buf.getvalue(), overwrite=True)
-        except OSError:
+        except (OSError, ValueError, TypeError):  # keeping is an optimisation: the table is still published
             pass
 
     def keep_only(self, tokens) -> int:
