@@ -42,11 +42,6 @@ class UnitOutcome:
     records: tuple = field(default_factory=tuple)
     bundle: str | None = None
 
-    @property
-    def ok(self) -> bool:
-        """Whether the unit's results are stored (done or skipped)."""
-        return self.status in (DONE, SKIPPED)
-
     def failure(self) -> dict:
         """``{"label", "fingerprint", "error"}``: the unit's line in a run's failures
         (:attr:`~.run.RunSummary.failures`, the provenance's ``failures``)."""

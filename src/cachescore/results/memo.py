@@ -40,7 +40,6 @@ class TableMemo:
     def __init__(self, store_path, *, writable: bool):
         self.folder = Path(store_path) / TABLE_CACHE_DIR
         self.writable = writable
-        self.hits = self.misses = 0
 
     def _path(self, token: str) -> Path:
         return self.folder / f"{token}.parquet"
@@ -48,12 +47,9 @@ class TableMemo:
     def get(self, token: str) -> pd.DataFrame | None:
         """The rows kept under ``token``, or None (absent, unreadable or damaged: recompute)."""
         try:
-            frame = pd.read_parquet(self._path(token))
+            return pd.read_parquet(self._path(token))
         except (OSError, ValueError):
-            self.misses += 1
             return None
-        self.hits += 1
-        return frame
 
     def put(self, token: str, frame: pd.DataFrame) -> None:
         """Keep ``frame`` under ``token`` (atomic; best effort: a full disk only costs a recomputation)."""

@@ -225,35 +225,30 @@ def _against_best(ranked: list[dict], level: float) -> None:
         e.update(best_encoder=best["encoder"], delta_vs_best=delta, delta_ci_low=lo, delta_ci_high=hi, verdict=verdict)
 
 
-def _rank(entries: list[dict], level: float) -> None:
-    """Ranks within each (view, design, scope, metric, m) among the defined rows (in place)."""
-    by_group: dict = {}
-    for e in entries:
-        by_group.setdefault((e["view"], e["design"], e["scope"], e["metric"], e["m"]), []).append(e)
-    for group in by_group.values():
-        ranked = sorted((e for e in group if e["defined"]), key=lambda e: e["encoder"])
-        for e in group:
-            e.update(rank=None, rank_low=None, rank_high=None, mean_rank=float("nan"), n_ranked=len(ranked),
-                     win_fractions="", best_encoder=None, delta_vs_best=float("nan"), delta_ci_low=float("nan"),
-                     delta_ci_high=float("nan"), verdict="")
-        if not ranked:
-            continue
-        names = [e["encoder"] for e in ranked]
-        points = {e["encoder"]: e["value"] for e in ranked}
-        lengths = {None if e["_reps"] is None else len(e["_reps"]) for e in ranked}
-        if len(lengths) == 1 and None not in lengths and lengths != {0}:
-            summary = rank_summary(names, points, np.stack([e["_reps"] for e in ranked], axis=1), level=level,
-                                   ties="span")
-        else:  # no shared replicates: the point ranking only
-            summary = rank_summary(names, points, np.empty((0, len(names))), level=level, ties="span")
-        for e in ranked:
-            n = e["encoder"]
-            wins = {b: summary["pairwise_win"][(n, b)] for b in names if b != n
-                    and math.isfinite(summary["pairwise_win"][(n, b)])}
-            e.update(rank=summary["point_rank"][n], rank_low=summary["rank_lo"][n], rank_high=summary["rank_hi"][n],
-                     mean_rank=summary["mean_rank"][n],
-                     win_fractions=json.dumps(wins, sort_keys=True) if wins else "")
-        _against_best(ranked, level)
+def _rank_group(group: list[dict], level: float) -> None:
+    """Ranks among the defined rows of one leaderboard group (:func:`_group_of`), in place."""
+    ranked = sorted((e for e in group if e["defined"]), key=lambda e: e["encoder"])
+    for e in group:
+        e.update(rank=None, rank_low=None, rank_high=None, mean_rank=float("nan"), n_ranked=len(ranked),
+                 win_fractions="", best_encoder=None, delta_vs_best=float("nan"), delta_ci_low=float("nan"),
+                 delta_ci_high=float("nan"), verdict="")
+    if not ranked:
+        return
+    names = [e["encoder"] for e in ranked]
+    points = {e["encoder"]: e["value"] for e in ranked}
+    lengths = {None if e["_reps"] is None else len(e["_reps"]) for e in ranked}
+    if len(lengths) == 1 and None not in lengths and lengths != {0}:
+        summary = rank_summary(names, points, np.stack([e["_reps"] for e in ranked], axis=1), level=level,
+                               ties="span")
+    else:  # no shared replicates: the point ranking only
+        summary = rank_summary(names, points, np.empty((0, len(names))), level=level, ties="span")
+    for e in ranked:
+        n = e["encoder"]
+        wins = {b: summary["pairwise_win"][(n, b)] for b in names if b != n
+                and math.isfinite(summary["pairwise_win"][(n, b)])}
+        e.update(rank=summary["point_rank"][n], rank_low=summary["rank_lo"][n], rank_high=summary["rank_hi"][n],
+                 mean_rank=summary["mean_rank"][n], win_fractions=json.dumps(wins, sort_keys=True) if wins else "")
+    _against_best(ranked, level)
 
 
 def _frame(rows: list[dict], columns) -> pd.DataFrame:
@@ -305,8 +300,8 @@ def score_entries(store, cache, fingerprints: Iterable[str], *, bootstrap: dict 
 
 
 def _group_of(record: dict) -> tuple:
-    """The leaderboard group of a record: ``(view, design, scope, metric, m)`` as :func:`_rank`
-    groups its entries (scope for probe records only, ``m`` as an int or None)."""
+    """The leaderboard group of a record: ``(view, design, scope, metric, m)``, as :func:`_entry`
+    normalises them (scope for probe records only, ``m`` as an int or None)."""
     m = record.get("m")
     m = None if m is None or (isinstance(m, float) and math.isnan(m)) else int(m)
     scope = record.get("scope") if record.get("design") == "probe" else None
@@ -341,7 +336,7 @@ def score_table(store, cache, fingerprints: Iterable[str], *, bootstrap: dict | 
         kept = memo.get(token) if memo is not None else None
         if kept is None:
             entries = [build.entry(fp, record) for fp, record in members]
-            _rank(entries, float(bootstrap["level"]))
+            _rank_group(entries, float(bootstrap["level"]))
             kept = _frame(entries, SCORE_COLUMNS)
             if memo is not None:
                 memo.put(token, kept)
