@@ -36,6 +36,7 @@ from cachescore.neighbors.recall import recall_counts
 from cachescore.neighbors.typed import typed_knn
 from cachescore.neighbors import large_scope as ls
 from cachescore.pipeline import plan_job, run_job
+from cachescore.pipeline import batch as batch_mod
 from cachescore.pipeline import unit as unit_mod
 from cachescore.store import ResultsStore
 from blas_equality import assert_same_search
@@ -287,7 +288,7 @@ def test_large_units_are_driven_from_the_client_and_retried(cache_root, client, 
     failed = ResultsStore(tmp_path / "store-exact").failures()
     assert len(failed) == 1 and "scheduler connection reset" in failed.iloc[0]["error"]
     with pytest.raises(ValueError, match="driven from the client"):
-        unit_mod.run_unit(plan.pending[0])
+        batch_mod.run_unit(plan.pending[0])
 
 
 def _job(tmp_path, root, backend, **neighbors):
@@ -329,7 +330,7 @@ def test_pipeline_large_units_match_the_in_memory_api(cache_root, client, tmp_pa
         raise AssertionError("a large unit loaded its whole view")
 
     monkeypatch.setattr(ls.tasks, "read_scope_rows", spy)
-    monkeypatch.setattr(unit_mod, "load_unit_inputs", no_whole_view)
+    monkeypatch.setattr(batch_mod, "load_unit_inputs", no_whole_view)
     ok, failures = _run(job, client)
     assert failures == [] and ok == len(plan.pending)
     # every read of embeddings is one k-means sample or one chunk, never the 3,600-row view

@@ -37,6 +37,7 @@ from cachescore.pipeline.execute import execute_plan
 from cachescore.pipeline.cluster import open_client
 from cachescore.neighbors.registry import OUT_OF_CORE, engine_params, in_memory_searcher, is_out_of_core
 from cachescore.store import ResultsStore
+import cachescore.pipeline.batch as batch_mod
 import cachescore.pipeline.unit as unit_mod
 
 #: The real functions, captured before any test patches the module.
@@ -52,7 +53,7 @@ def _pinned_code_version(monkeypatch):
     monkeypatch.setenv("CACHESCORE_CODE_VERSION", "test-pinned")
 
 
-def fake_score(unit, features, manifest):
+def fake_score(unit, features, manifest, searcher=None):
     """Deterministic stand-in for the metric API: summary statistics of the unit's features."""
     with _LOCK:
         CALLS.append(unit.fingerprint)
@@ -88,17 +89,19 @@ def make_job(tmp_path, cache, **sections):
 
 @contextlib.contextmanager
 def stand_ins(score=fake_score, load=None, probe=None):
-    """Replace what the unit tasks call (``score_unit``, ``load_unit_inputs``, ``run_probe_unit``
-    of :mod:`cachescore.pipeline.unit`) for the duration of a run on an in-process cluster."""
+    """Replace what the unit tasks call (``score_unit``, ``load_unit_inputs``, ``run_probe_unit``,
+    wherever :mod:`cachescore.pipeline.batch` and :mod:`cachescore.pipeline.unit` name them) for the
+    duration of a run on an in-process cluster."""
     names = {"score_unit": score, "load_unit_inputs": load, "run_probe_unit": probe}
-    saved = {k: getattr(unit_mod, k) for k, f in names.items() if f is not None}
+    saved = {(mod, k): getattr(mod, k) for k, f in names.items() if f is not None
+             for mod in (batch_mod, unit_mod) if hasattr(mod, k)}
     try:
-        for k in saved:
-            setattr(unit_mod, k, names[k])
+        for mod, k in saved:
+            setattr(mod, k, names[k])
         yield
     finally:
-        for k, f in saved.items():
-            setattr(unit_mod, k, f)
+        for (mod, k), f in saved.items():
+            setattr(mod, k, f)
 
 
 def run(job, *, score=fake_score, load=None, probe=None, out=None):
@@ -255,11 +258,12 @@ _ATTEMPTS: dict[str, int] = {}
 
 
 def flaky_load(unit):
-    """Loads normally, but the first attempt at every croma unit loses its connection."""
+    """Loads normally, but the first load of the centre_paired view (per encoder) loses its connection."""
+    key = (unit.encoder, unit.view)
     with _LOCK:
-        _ATTEMPTS[unit.fingerprint] = _ATTEMPTS.get(unit.fingerprint, 0) + 1
-        first = _ATTEMPTS[unit.fingerprint] == 1
-    if unit.metric == "croma" and first:
+        _ATTEMPTS[key] = _ATTEMPTS.get(key, 0) + 1
+        first = _ATTEMPTS[key] == 1
+    if unit.view == "centre_paired" and first:
         raise ConnectionResetError("simulated transient failure")
     return REAL_LOAD(unit)
 
@@ -273,8 +277,9 @@ def test_transient_failures_are_retried(tmp_path, demo_cache):
     _ATTEMPTS.clear()
     summary = run(job, load=flaky_load)
     assert summary.ok and summary.succeeded == 8
-    croma = [u.fingerprint for u in plan_job(job).done if u.metric == "croma"]
-    assert croma and all(_ATTEMPTS[fp] == 2 for fp in croma)
+    # the units of one (encoder, view) load their inputs once per try: the paired view's batch twice
+    assert _ATTEMPTS == {("enc0", "centre_all"): 1, ("enc0", "centre_paired"): 2}
+    assert len(plan_job(job).done) == 8
 
 
 def test_exhausted_retries_are_recorded(tmp_path, demo_cache):
@@ -535,7 +540,7 @@ def probe_waiting_for_metrics(*args, **kwargs):
     return run_probe_unit(*args, **kwargs)
 
 
-def score_noting_probe(unit, features, manifest):
+def score_noting_probe(unit, features, manifest, searcher=None):
     if PROBE_STARTED.is_set():
         METRIC_DURING_PROBE.set()
     return fake_score(unit, features, manifest)
@@ -627,7 +632,7 @@ def test_probe_unit_retry_semantics(tmp_path):
 _BUG_CALLS: list[str] = []
 
 
-def buggy_score(unit, features, manifest):
+def buggy_score(unit, features, manifest, searcher=None):
     with _LOCK:
         _BUG_CALLS.append(unit.fingerprint)
     raise TypeError("unsupported operand type(s) for +: 'int' and 'str'")  # a bug in our code
@@ -647,6 +652,31 @@ def test_a_bug_is_retried_and_reported_not_filed_as_bad_data(tmp_path, demo_cach
     assert summary.succeeded == 0 and len(summary.failures) == 1
     assert summary.failures[0]["error"].startswith("TypeError: unsupported operand")
     assert len(_BUG_CALLS) == 3  # the first attempt and two retries: never filed as data at once
+
+
+def croma_bug_score(unit, features, manifest, searcher=None):
+    """fake_score, except that every croma unit hits a bug; counts the calls per metric."""
+    with _LOCK:
+        _BUG_CALLS.append(unit.metric)
+    if unit.metric == "croma":
+        raise ZeroDivisionError("float division by zero")  # a bug in our code, for this unit only
+    return fake_score(unit, features, manifest)
+
+
+def test_a_bug_in_one_unit_of_a_batch_hides_no_other_unit(tmp_path, demo_cache):
+    """The units of one (encoder, view) run as one task (ADR-0018): a unit whose scoring raises a
+    bug is retried and finally recorded with its own error, while the batch's other units are
+    stored once (a retry skips what this run already stored) and count as done."""
+    job = make_job(tmp_path, demo_cache, job={"encoders": ["enc0"], "views": ["centre_all"]},
+                   metrics={"families": ["ri", "mari", "croma"], "croma": {"m": [5]}}, execution={"retries": 2})
+    _BUG_CALLS.clear()
+    summary = run(job, score=croma_bug_score)
+    assert summary.executed == 3 and summary.succeeded == 2 and len(summary.failures) == 1
+    assert summary.failures[0]["label"].endswith("/croma[m=5]")
+    assert summary.failures[0]["error"] == "ZeroDivisionError: float division by zero"
+    assert sorted(_BUG_CALLS) == ["croma"] * 3 + ["mari", "ri"]  # croma tried 3 times, the others once
+    store = ResultsStore(job.store)
+    assert len(store.fingerprints()) == 2 and list(store.failures()["error"]) == [summary.failures[0]["error"]]
 
 
 def test_a_metric_refusal_is_a_data_error_with_the_unit_label(tmp_path):

@@ -327,7 +327,7 @@ def test_metrics_and_status_page_on_a_real_scheduler(tmp_path, cache):
 
             with distributed.Client(cluster.address) as client:  # what the dashboard groups tasks by
                 prefixes = set(client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.task_prefixes)))
-            assert {"score.enc0.centre_all.ri", "score.enc3.centre_paired.croma", "probe.enc1.centre_all.probe",
+            assert {"score.enc0.centre_all.ri+mari+croma", "score.enc3.centre_paired.ri+mari+croma", "probe.enc1.centre_all.probe",
                     "probe_evaluate.enc1.centre_all.probe"} <= prefixes, sorted(prefixes)
         finally:
             if proc.poll() is None:

@@ -82,6 +82,11 @@ class RunBoard:
                                         "metric": u["metric"]}
             self.last_progress = time.time()
 
+    def finish_units(self, items: list) -> None:
+        """Several units ended: ``[(fingerprint, status), ...]`` as for :meth:`finish_unit`."""
+        for fp, status in items:
+            self.finish_unit(fp, status)
+
     def end(self, state: str, reason: str | None = None) -> None:
         """The run ended (``finished`` | ``aborted`` | ``interrupted``); units never started are
         ``not_run`` unless the run finished."""

@@ -4,7 +4,8 @@
 LocalCluster's, a SLURM / Kubernetes deployment's, one started by hand): it holds the
 :class:`~.board.RunBoard`, adds the status page's routes (:mod:`.page`) and the Prometheus
 collector (:mod:`.metrics`) to the scheduler, and marks a unit ``running`` when a task annotated
-with it (``dask.annotate(cachescore={"unit": fingerprint, ...})``) starts processing.
+with it (``dask.annotate(cachescore={"unit": fingerprint, ...})``; a batch task lists every unit it
+runs under ``units``) starts processing.
 
 :class:`RunMonitor` is the client's side: it registers the plugin (idempotent: a long-lived
 scheduler keeps one) and forwards the run's events to the board with ``run_on_scheduler``. Every
@@ -51,7 +52,8 @@ class CachescorePlugin(SchedulerPlugin):
         ts = self.scheduler.tasks.get(key)
         ann = (ts.annotations or {}).get(ANNOTATION) if ts is not None else None
         if isinstance(ann, dict) and ann.get("unit"):
-            self.board.mark_running(ann["unit"])
+            for fp in ann.get("units") or (ann["unit"],):  # a batch task runs several units
+                self.board.mark_running(fp)
 
 
 def _call_board(method: str, *args, dask_scheduler=None):
@@ -98,7 +100,11 @@ class RunMonitor:
         self._call("start", run, units)
 
     def finish_unit(self, fingerprint: str, status: dict) -> None:
-        self._call("finish_unit", fingerprint, {k: v for k, v in status.items() if k != "traceback"})
+        self.finish_units([(fingerprint, status)])
+
+    def finish_units(self, items: list) -> None:
+        """Units ended: ``[(fingerprint, status dict), ...]``, told to the board in one call."""
+        self._call("finish_units", [(fp, {k: v for k, v in st.items() if k != "traceback"}) for fp, st in items])
 
     def end(self, state: str, reason: str | None = None) -> None:
         self._call("end", state, reason)

@@ -21,7 +21,7 @@ _EXPORTS = {
     "SingleThreadBLAS": ".cluster", "open_client": ".cluster", "execute_plan": ".execute", "UnitOutcome": ".outcome",
     "InvalidUnit": ".plan", "Plan": ".plan", "UnitKind": ".plan", "WorkUnit": ".plan", "code_version": ".plan",
     "plan_job": ".plan", "RunSummary": ".run", "run_job": ".run", "pending_reasons": ".status",
-    "unit_status": ".status", "run_probe_task": ".unit", "run_unit": ".unit", "score_unit": ".unit",
+    "unit_status": ".status", "run_probe_task": ".unit", "run_unit": ".batch", "score_unit": ".unit",
     "WatchPoll": ".watch", "poll_job": ".watch", "watch_job": ".watch",
 }
 

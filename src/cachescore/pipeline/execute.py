@@ -31,32 +31,47 @@ from .interrupts import DeferredInterrupts
 from .logs import quiet_owned_cluster
 from .outcome import DONE, UnitOutcome
 from .plan import Plan, UnitKind
-from .unit import drive_large_unit, run_probe_task, run_unit, unit_annotation, unit_scratch
+from .batch import BatchErrors, ScoreBatch, batch_units, run_batch, stored_by_run
+from .unit import drive_large_unit, run_probe_task, unit_annotation, unit_scratch
 from .watchdog import Watchdog
 
 __all__ = ["execute_plan", "record_client_failure"]
 
 
-def _task_key(unit, run_id: str | None) -> str:
-    """``<phase>.<encoder>.<view>.<metric>-<fingerprint prefix>-<run id>`` (phase ``score`` or
-    ``probe``; :mod:`cachescore._taskkeys`). The run id keeps runs apart: a key still held by
-    another client (e.g. an erred task of an earlier run) would otherwise be reused, not recomputed."""
-    phase = "probe" if unit.kind is UnitKind.PROBE else "score"
-    return f"{unit_prefix(phase, unit.encoder, unit.view, unit.metric)}-{unit.fingerprint[:16]}-{run_id or 'adhoc'}"
+def _task_key(work, run_id: str | None) -> str:
+    """``<phase>.<encoder>.<view>.<metric>-<fingerprint prefix>-<run id>`` (phase ``score`` for a
+    :class:`~.batch.ScoreBatch`, whose metric is ``ri+mari+croma``, or ``probe``;
+    :mod:`cachescore._taskkeys`). The run id keeps runs apart: a key still held by another client
+    (e.g. an erred task of an earlier run) would otherwise be reused, not recomputed."""
+    phase = "score" if isinstance(work, ScoreBatch) else "probe"
+    return f"{unit_prefix(phase, work.encoder, work.view, work.metric)}-{work.fingerprint[:16]}-{run_id or 'adhoc'}"
 
 
-def _start(unit, client, drivers, *, bundles, run_id, retries):
-    """Start one unit by its kind (the one dispatch on :class:`~.plan.UnitKind`); returns its
-    future (a ``distributed.Future``, or a ``concurrent.futures.Future`` for a driven unit). The
-    unit's tasks carry its annotation (:func:`~.unit.unit_annotation`)."""
-    if unit.kind is UnitKind.LARGE:
-        return drivers.submit(drive_large_unit, unit, client, run_id, retries)
-    key = _task_key(unit, run_id)
-    with dask.annotate(**{ANNOTATION: unit_annotation(unit, run_id)}):
-        if unit.kind is UnitKind.PROBE:
-            return client.submit(run_probe_task, unit, bundles, run_id, key=key, retries=retries, pure=False,
-                                 priority=10)
-        return client.submit(run_unit, unit, run_id, key=key, retries=retries, pure=False)
+def _work_items(pending) -> list:
+    """What is started: probe units first (higher priority), then the metric units in batches
+    (:func:`~.batch.batch_units`: one task per shared input), then the out-of-core units (drivers)."""
+    by_kind = {kind: [u for u in pending if u.kind is kind] for kind in UnitKind}
+    return [*by_kind[UnitKind.PROBE], *batch_units(by_kind[UnitKind.SCORE]), *by_kind[UnitKind.LARGE]]
+
+
+def _units_of(work) -> tuple:
+    return work.units if isinstance(work, ScoreBatch) else (work,)
+
+
+def _start(work, client, drivers, *, bundles, run_id, retries):
+    """Start one item of work by its kind (the one dispatch on :class:`~.plan.UnitKind`); returns
+    its future (a ``distributed.Future``, or a ``concurrent.futures.Future`` for a driven unit).
+    Its tasks carry the annotation of its units (:func:`~.unit.unit_annotation`; a batch's lists
+    every unit's fingerprint under ``units``)."""
+    if isinstance(work, ScoreBatch):
+        ann = dict(unit_annotation(work.first, run_id), metric=work.metric, units=list(work.fingerprints))
+        with dask.annotate(**{ANNOTATION: ann}):
+            return client.submit(run_batch, work, run_id, key=_task_key(work, run_id), retries=retries, pure=False)
+    if work.kind is UnitKind.LARGE:
+        return drivers.submit(drive_large_unit, work, client, run_id, retries)
+    with dask.annotate(**{ANNOTATION: unit_annotation(work, run_id)}):
+        return client.submit(run_probe_task, work, bundles, run_id, key=_task_key(work, run_id), retries=retries,
+                             pure=False, priority=10)
 
 
 def _result_lost(client, fut) -> bool:
@@ -81,32 +96,38 @@ def record_client_failure(store, unit, run_id, err: str) -> None:
 
 
 class _Completions:
-    """The loop's state: which future is which unit, what ended, how often a fetch failed."""
+    """The loop's state: which future runs which units, what ended, how often a fetch failed."""
 
     def __init__(self, client, store, run_id, watchdog: Watchdog, progress: RunProgress, monitor, ended: dict):
         self.client, self.store, self.run_id = client, store, run_id
         self.watchdog, self.progress, self.monitor, self.ended = watchdog, progress, monitor, ended
         self.finished: queue.Queue = queue.Queue()  # futures of every kind, as they complete
-        self.futures: dict = {}
+        self.futures: dict = {}  # future -> the units it runs (a batch's, or one)
         self.units: dict = {}
         self.fetch_errors: dict = {}
 
-    def add(self, fut, unit) -> None:
-        self.futures[fut] = unit.fingerprint
-        self.units[unit.fingerprint] = unit
+    def add(self, fut, units: tuple) -> None:
+        self.futures[fut] = units
+        for u in units:
+            self.units[u.fingerprint] = u
         fut.add_done_callback(self.finished.put)
 
     def counts(self) -> tuple[int, int]:
-        return len(self.ended), len(self.futures) - len(self.ended)
+        """``(units ended, units outstanding)``."""
+        return len(self.ended), len(self.units) - len(self.ended)
 
     def outstanding(self) -> list:
-        return [f for f, fp in self.futures.items() if fp not in self.ended and not isinstance(f, LocalFuture)]
+        return [f for f, units in self.futures.items()
+                if not isinstance(f, LocalFuture) and any(u.fingerprint not in self.ended for u in units)]
 
-    def end(self, unit, outcome: UnitOutcome) -> None:
-        self.ended[unit.fingerprint] = outcome
+    def end(self, outcomes) -> None:
+        """Settle ``outcomes`` (one future's units): the loop's record, one run-board call, the progress."""
+        for o in outcomes:
+            self.ended[o.fingerprint] = o
         if self.monitor is not None:
-            self.monitor.finish_unit(unit.fingerprint, outcome.board())
-        self.progress.unit_done(unit.label, "done" if outcome.status == DONE else "FAILED", outcome.seconds)
+            self.monitor.finish_units([(o.fingerprint, o.board()) for o in outcomes])
+        for o in outcomes:
+            self.progress.unit_done(o.label, "done" if o.status == DONE else "FAILED", o.seconds)
 
     def next(self) -> None:
         """Wait up to 0.5 s for one completion and settle it (or run the watchdog)."""
@@ -115,37 +136,40 @@ class _Completions:
         except queue.Empty:
             self.watchdog.check(*self.counts())
             return
-        unit = self.units[self.futures[fut]]
-        outcome = self.fetch(fut, unit)
-        if outcome is None:  # put back: it completes (again) later
+        outcomes = self.fetch(fut, self.futures[fut])
+        if outcomes is None:  # put back: it completes (again) later
             fut.add_done_callback(self.finished.put)
             return
-        self.end(unit, outcome)
+        self.end(outcomes)
 
-    def fetch(self, fut, unit) -> UnitOutcome | None:
-        """The outcome of unit ``unit``'s completed future ``fut``, or None when the caller should
+    def fetch(self, fut, units: tuple) -> tuple | None:
+        """The outcomes of the units of completed future ``fut``, or None when the caller should
         wait for it again: its small result was lost with its worker (the scheduler recomputes it),
         the fetch timed out, or a fetch failed while the task had finished or the connection is in
-        doubt (not the unit's failure unless it keeps happening: 5 tries). A task that erred after
-        its retries is recorded as failed in the store here. Raises what the watchdog raises
+        doubt (not the units' failure unless it keeps happening: 5 tries). A task that erred after
+        its retries is settled here (:meth:`_fetch_failed`). Raises what the watchdog raises
         (:class:`RunAborted`) and interrupts."""
         if isinstance(fut, LocalFuture):
-            return fut.result()  # drive_large_unit records its own failures and never raises
+            return (fut.result(),)  # drive_large_unit records its own failures and never raises
         if _result_lost(self.client, fut):
             return None  # lost with its worker (a cancelled or preempted worker job): recomputed
         status = fut.status
         try:
-            return fut.result(timeout=5)  # a small outcome: seconds at most when it is held
+            result = fut.result(timeout=5)  # small outcomes: seconds at most when they are held
         except TimeoutError:  # lost meanwhile (a worker died since the check): as above
             return None
         except (KeyboardInterrupt, SystemExit, RunInterrupted, RunAborted):
             raise
         except BaseException as exc:  # noqa: BLE001 - erred after its retries; CancelledError (scheduler lost)
-            return self._fetch_failed(fut, unit, status, exc)
+            return self._fetch_failed(fut, units, status, exc)
         finally:
             fut.release()
+        return tuple(result) if isinstance(result, (tuple, list)) else (result,)
 
-    def _fetch_failed(self, fut, unit, status: str, exc: BaseException) -> UnitOutcome | None:
+    def _fetch_failed(self, fut, units: tuple, status: str, exc: BaseException) -> tuple | None:
+        """Settle the units of a task that erred: each unit this run stored before the error is
+        done (a batch stores its units one by one); the others are recorded as failed, each with
+        its own error when the task says (:class:`~.batch.BatchErrors`)."""
         self.fetch_errors[fut] = self.fetch_errors.get(fut, 0) + 1
         if status == "finished" or not self.watchdog.connected():
             # fetching a finished result failed, or the task was cancelled with the connection
@@ -154,8 +178,16 @@ class _Completions:
                 time.sleep(0.2)
                 return None
         err = f"{type(exc).__name__}: {exc}"
-        record_client_failure(self.store, unit, self.run_id, err)
-        return UnitOutcome.failed(unit, err)
+        own = exc.errors if isinstance(exc, BatchErrors) else {}
+        outcomes = []
+        for unit in units:
+            stored = None if unit.fingerprint in own else stored_by_run(self.store, unit, self.run_id)
+            if stored is not None:
+                outcomes.append(stored)
+                continue
+            record_client_failure(self.store, unit, self.run_id, own.get(unit.fingerprint, err))
+            outcomes.append(UnitOutcome.failed(unit, own.get(unit.fingerprint, err)))
+        return tuple(outcomes)
 
 
 def execute_plan(plan: Plan, client, *, store=None, retries: int = 2, out: TextIO | None = sys.stderr,
@@ -166,7 +198,8 @@ def execute_plan(plan: Plan, client, *, store=None, retries: int = 2, out: TextI
     :meth:`~.outcome.UnitOutcome.failure` dict per failed unit).
 
     Each unit starts by its :class:`~.plan.UnitKind` (:func:`_start`): ``SCORE`` units are one
-    task each (:func:`~.unit.run_unit`, key ``score.<encoder>.<view>.<metric>-<fingerprint
+    task per shared input (:func:`~.batch.run_batch` of a :class:`~.batch.ScoreBatch`: the units
+    of one encoder and view; key ``score.<encoder>.<view>.<ri+mari+croma>-<fingerprint
     prefix>-<run id>``); ``PROBE`` units are :func:`~.unit.run_probe_task` tasks (``probe.…``),
     submitted first with a higher priority (each secedes from its worker's thread pool and fans its
     replicates out as further tasks, so metric units run while sweeps are in flight); ``LARGE``
@@ -188,17 +221,18 @@ def execute_plan(plan: Plan, client, *, store=None, retries: int = 2, out: TextI
     """
     store = ResultsStore(plan.job.store) if store is None else store
     ended = {} if ended is None else ended
-    pending = sorted(plan.pending, key=lambda u: u.kind is not UnitKind.PROBE)  # probe units first (stable)
+    pending = list(plan.pending)
     drivers = ThreadPoolExecutor(max_workers=max(1, int(large_unit_drivers)), thread_name_prefix="cachescore-large")
     progress = RunProgress(len(pending), out, verbose=verbose)
     loop = _Completions(client, store, run_id, Watchdog(client, progress, no_workers_timeout=no_workers_timeout),
                         progress, monitor, ended)
     try:
         with DeferredInterrupts() as interrupts:  # signals raise at the loop's top, not inside distributed
-            for u in sorted(pending, key=lambda u: u.kind is UnitKind.LARGE):  # tasks first, then drivers
+            for work in _work_items(pending):  # tasks first, then drivers
                 interrupts.check()
-                loop.add(_start(u, client, drivers, bundles=plan.job.bundles, run_id=run_id, retries=retries), u)
-            while len(ended) < len(loop.futures):
+                loop.add(_start(work, client, drivers, bundles=plan.job.bundles, run_id=run_id, retries=retries),
+                         _units_of(work))
+            while len(ended) < len(loop.units):
                 interrupts.check()
                 loop.next()
     except BaseException:  # interrupted or aborted: cancel what is left; drivers stop at their next cluster call

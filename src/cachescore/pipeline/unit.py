@@ -6,9 +6,9 @@
 * :func:`run_probe_task` is the Dask task of a probe-sweep unit: it secedes from the worker's
   thread pool (``worker_client``), fans the sweep's replicates out as further tasks, waits for them
   and writes the unit's APD/nIPD records; metric units keep running meanwhile.
-* :func:`run_unit` is the Dask task of a metric unit. It receives only a :class:`~.plan.WorkUnit` (paths and
-  parameters, no arrays), reads the embeddings **on the worker**, pins BLAS to one thread, calls
-  the unit function and writes the result atomically to the store.
+* :func:`write_unit_result` / :func:`record_unit_failure` end a unit in the store (its record and
+  per-unit table, or its failure) and return its :class:`~.outcome.UnitOutcome`. The Dask task of
+  metric units, which reads their inputs once on the worker, is :func:`~.batch.run_batch`.
 * :func:`drive_large_unit` scores a unit of kind :attr:`~.plan.UnitKind.LARGE` (a
   scope of at least ``[neighbors] large_scope_rows`` rows) **from the client process**, on a
   thread of :func:`~.execute.execute_plan`: :func:`score_large_unit` keeps the unit's O(n) state
@@ -42,7 +42,6 @@ from distributed import worker_client
 from .._missing import as_float
 from .._taskkeys import ANNOTATION
 from .._warncapture import captured_warnings
-from .._threads import single_thread_blas
 from ..cache import Cache
 from ..errors import DATA_ERRORS, UnscorableError
 from ..manifest import prepare
@@ -53,11 +52,11 @@ from ..neighbors.registry import searcher_for
 from ..store import ResultsStore, scratch_path
 from ..store.results import StoreWriteError
 from .outcome import UnitOutcome
-from .plan import UnitKind, params_json
+from .plan import params_json
 from .probe_unit import run_probe_unit, write_probe_records
 
-__all__ = ["score_unit", "score_large_unit", "drive_large_unit", "run_unit", "run_probe_task", "unit_scratch",
-           "load_unit_inputs", "result_record", "unit_annotation"]
+__all__ = ["score_unit", "score_large_unit", "drive_large_unit", "run_probe_task", "unit_scratch",
+           "load_unit_inputs", "result_record", "unit_annotation", "write_unit_result", "record_unit_failure"]
 
 
 def unit_annotation(unit, run_id: str | None = None) -> dict:
@@ -231,36 +230,6 @@ def load_unit_inputs(unit) -> tuple[np.ndarray, pd.DataFrame]:
     return features, manifest
 
 
-def run_unit(unit, run_id: str | None = None) -> UnitOutcome:
-    """The Dask task for one in-memory metric unit (:attr:`UnitKind.SCORE`). Returns its
-    :class:`~.outcome.UnitOutcome` (small: never arrays).
-
-    Reads the unit's inputs on the worker (:func:`load_unit_inputs`), scores them
-    (:func:`score_unit`) with BLAS pinned to one thread and writes the result atomically;
-    ``run_id`` is stored with the record. Warnings raised while scoring are stored in the record
-    (``warnings``; see :func:`captured_warnings`). Data errors (:data:`~cachescore.errors.DATA_ERRORS`)
-    are recorded in the store and returned as ``failed``; other exceptions propagate (Dask retries
-    them, and a bug surfaces with its traceback).
-
-    Raises ``ValueError`` for a unit of another kind: a large-scope unit is driven from the client
-    by :func:`drive_large_unit`, a probe unit runs as :func:`run_probe_task`.
-    """
-    if unit.kind is not UnitKind.SCORE:
-        raise ValueError(f"{unit.label}: a {unit.kind.value} unit is not run as one metric task (a large-scope "
-                         "unit is driven from the client by drive_large_unit; a probe unit runs as run_probe_task)")
-    store = ResultsStore(unit.store_root)
-    t0 = time.perf_counter()
-    with single_thread_blas(), captured_warnings() as caught:
-        try:
-            features, manifest = load_unit_inputs(unit)
-            t1 = time.perf_counter()
-            record, per_unit = score_unit(unit, features, manifest)
-        except DATA_ERRORS as exc:
-            return _record_failure(store, unit, exc, run_id=run_id, started=t0)
-    return _write_result(store, unit, record, per_unit, started=t0, loaded=t1, caught=caught, run_id=run_id,
-                         bytes_read=int(features.nbytes))
-
-
 def drive_large_unit(unit, client, run_id: str | None = None, retries: int = 0) -> UnitOutcome:
     """Score a unit planned out of core (:attr:`~.plan.UnitKind.LARGE`) from the calling
     process, normally the client's (:func:`~.execute.execute_plan` runs several on threads).
@@ -281,14 +250,14 @@ def drive_large_unit(unit, client, run_id: str | None = None, retries: int = 0) 
                 record, per_unit = score_large_unit(unit, client)
             break
         except DATA_ERRORS as exc:
-            return _record_failure(store, unit, exc, run_id=run_id, started=t0)
+            return record_unit_failure(store, unit, exc, run_id=run_id, started=t0)
         except Exception as exc:  # noqa: BLE001 - recorded, the other units go on (a cancelled task too)
             if attempt == retries:
-                return _record_failure(store, unit, exc, run_id=run_id, started=t0)
-    return _write_result(store, unit, record, per_unit, started=t0, loaded=t0, caught=caught, run_id=run_id)
+                return record_unit_failure(store, unit, exc, run_id=run_id, started=t0)
+    return write_unit_result(store, unit, record, per_unit, started=t0, loaded=t0, caught=caught, run_id=run_id)
 
 
-def _write_result(store, unit, record: dict, per_unit, *, started: float, loaded: float, caught, run_id,
+def write_unit_result(store, unit, record: dict, per_unit, *, started: float, loaded: float, caught, run_id,
                   bytes_read: int | None = None) -> UnitOutcome:
     """Complete a unit's record (timings, versions, inputs, warnings), write it atomically with
     its per-unit table and return the unit's outcome (with ``value``, ``recall``, ``rows``:
@@ -307,12 +276,12 @@ def _write_result(store, unit, record: dict, per_unit, *, started: float, loaded
     try:
         store.write_unit(unit.fingerprint, record=record, per_unit=per_unit)
     except StoreWriteError as exc:
-        return _record_failure(store, unit, exc, run_id=run_id, started=started)
+        return record_unit_failure(store, unit, exc, run_id=run_id, started=started)
     return UnitOutcome.done(unit, seconds=record["seconds"], worker_pid=os.getpid(), value=record.get("value"),
                             recall=record.get("recall"), rows=record.get("n_units"), bytes_read=bytes_read)
 
 
-def _record_failure(store, unit, exc: BaseException, *, run_id, started: float) -> UnitOutcome:
+def record_unit_failure(store, unit, exc: BaseException, *, run_id, started: float) -> UnitOutcome:
     """Record ``exc`` as the unit's failure and return its ``failed`` outcome.
 
     Must be called from inside the ``except`` block (the traceback is the current exception's).
@@ -334,14 +303,14 @@ _FULL_OR_READ_ONLY = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
 def run_probe_task(unit, bundle_root, run_id: str | None = None) -> UnitOutcome:
     """The Dask task for one probe-sweep unit (:attr:`UnitKind.PROBE`). Returns its
-    :class:`~.outcome.UnitOutcome` like :func:`run_unit` (``records``: the record fingerprints written).
+    :class:`~.outcome.UnitOutcome` like :func:`~.batch.run_batch` (``records``: the record fingerprints written).
 
     Runs :func:`~.probe_unit.run_probe_unit` inside ``distributed.worker_client()``: the task
     leaves the worker's thread pool while the sweep's (replicate, split) tasks run on the cluster,
     so metric units and other probe units proceed concurrently; the evaluation bundle goes under
     ``bundle_root`` and one record per (matrix, reduction) into the unit's store. The planned input
     fingerprints (``unit.inputs``) are used as they are: the view is not hashed again on the worker.
-    Same failure policy as :func:`run_unit`.
+    Same failure policy as :func:`~.batch.run_batch`.
     """
     store = ResultsStore(unit.store_root)
     t0 = time.perf_counter()
@@ -350,7 +319,7 @@ def run_probe_task(unit, bundle_root, run_id: str | None = None) -> UnitOutcome:
             records, _ = run_probe_unit(unit.cache_root, unit.encoder, unit.view, unit.params, bundle_root=bundle_root,
                                         client=client, code_version=unit.code_version, inputs=unit.inputs)
     except DATA_ERRORS as exc:
-        return _record_failure(store, unit, exc, run_id=run_id, started=t0)
+        return record_unit_failure(store, unit, exc, run_id=run_id, started=t0)
     except OSError as exc:
         if exc.errno not in _FULL_OR_READ_ONLY:
             raise  # an I/O fault reading the cache: retried like any transient error
@@ -359,10 +328,10 @@ def run_probe_task(unit, bundle_root, run_id: str | None = None) -> UnitOutcome:
         try:
             raise err from exc
         except StoreWriteError:
-            return _record_failure(store, unit, err, run_id=run_id, started=t0)
+            return record_unit_failure(store, unit, err, run_id=run_id, started=t0)
     try:
         written = write_probe_records(store, records, run_id=run_id)
         store.clear_failure(unit.fingerprint)  # success lives under per-record fingerprints
     except StoreWriteError as exc:
-        return _record_failure(store, unit, exc, run_id=run_id, started=t0)
+        return record_unit_failure(store, unit, exc, run_id=run_id, started=t0)
     return UnitOutcome.done(unit, records=tuple(written), seconds=time.perf_counter() - t0, worker_pid=os.getpid())
