@@ -406,8 +406,55 @@ def test_a_publication_with_nothing_new_reads_no_per_unit_table_and_one_new_reco
     publish_results(store, demo.cache, fps + [twin], **kw)
     third = pd.read_parquet(tmp_path / "store" / "scores.parquet")
     group = first[(first["metric"] == "ri") & (first["view"] == "centre_all") & (first["design"] == row["design"])]
-    assert len(calls) - n_first == len(group) + 1  # the group's old records and the new one
+    assert len(calls) - n_first == 1 and len(group) > 1  # the new record only: its group's others are kept entries
     assert len(third) == len(first) + 1 and "enc9" in set(third["encoder"])
     others = lambda df: df[~((df["metric"] == "ri") & (df["view"] == "centre_all"))].reset_index(drop=True)  # noqa: E731
     pd.testing.assert_frame_equal(others(first), others(third))
     assert len(list((tmp_path / "store" / TABLE_CACHE_DIR).glob("*.parquet"))) == len(kept)  # superseded removed
+
+
+def test_unit_tasks_keep_their_entries_and_a_table_from_them_is_the_same(demo, monkeypatch):
+    """Issue 25: the unit tasks compute their records' score entries (interval, replicates) on the
+    worker and keep them in ``<store>/table-cache/entries``; a table built from the kept entries
+    draws no replicate and equals one computed from the per-unit tables."""
+    from cachescore.results import scores as scores_mod
+    from cachescore.results.memo import EntryMemo, entry_token
+
+    store = ResultsStore(demo.store)
+    fps = list(plan_job(demo, store=store).record_fingerprints())
+    bootstrap = dict(scores_mod.BOOTSTRAP_DEFAULTS, **as_dict(demo.metrics.bootstrap))
+    metric_fps = [fp for fp in fps if store.record(fp)["design"] != "probe"]
+    kept = EntryMemo(demo.store, writable=False)
+    assert metric_fps and all(kept.get(entry_token(fp, bootstrap, demo.report.min_support)) is not None
+                              for fp in metric_fps)
+    computed = score_table(store, Cache(demo.cache), fps, bootstrap=bootstrap, min_support=demo.report.min_support)
+    calls = []
+    real = scores_mod._metric_entry
+    monkeypatch.setattr(scores_mod, "_metric_entry", lambda fp, *a, **k: calls.append(fp) or real(fp, *a, **k))
+    from_kept = score_table(store, Cache(demo.cache), fps, bootstrap=bootstrap, min_support=demo.report.min_support,
+                            entries=kept)
+    assert calls == []
+    pd.testing.assert_frame_equal(computed, from_kept)
+
+
+def test_a_runs_entries_are_computed_by_its_unit_tasks_not_by_its_publication(demo, tmp_path, monkeypatch):
+    """The worker keeps each stored unit's entry (:func:`cachescore.results.scores.keep_entries`),
+    so the publication after the run computes none (in-process cluster: tasks run on worker threads)."""
+    import threading
+
+    from cachescore.results import scores as scores_mod
+
+    job = parse_job({"schema_version": 1,
+                     "job": {"cache": str(demo.cache), "store": str(tmp_path / "store"), "encoders": ["enc0", "enc1"],
+                             "views": ["centre_all", "centre_paired"]},
+                     "metrics": {"families": ["ri", "croma"]},
+                     "execution": {"n_workers": 1, "dashboard": False, "performance_report": False}},
+                    path=tmp_path / "job.toml")
+    threads = []
+    real = scores_mod._metric_entry
+    monkeypatch.setattr(scores_mod, "_metric_entry",
+                        lambda fp, *a, **k: threads.append(threading.current_thread().name) or real(fp, *a, **k))
+    summary = run_job(job, processes=False, out=io.StringIO())
+    assert summary.ok and summary.succeeded == 8
+    assert len(threads) == 8 and threading.main_thread().name not in threads, threads
+    assert len(pd.read_parquet(tmp_path / "store" / "scores.parquet")) == 8

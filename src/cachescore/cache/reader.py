@@ -58,6 +58,10 @@ __all__ = ["Cache"]
 #: Per-process memo of successful full validations: key -> stat signature of every file involved.
 _VALIDATED: dict[tuple, tuple] = {}
 _VALIDATED_MAX = 256
+#: Views already read in this process: (root, view, spec, sha256 of the table bytes, tiles.parquet
+#: stat) -> the frame (work units of one worker read the same views for every encoder).
+_VIEW_FRAMES: dict[tuple, pd.DataFrame] = {}
+_VIEW_FRAMES_MAX = 32
 
 
 #: Attempts, and the pause before each retry (seconds, times the attempt number), to read a view's
@@ -246,9 +250,31 @@ class Cache:
         blank values in required columns, sample_ids unknown to the tileset, or a reserved ``row``
         column, and for a table that does not match the sha256/size its sidecar records (after
         re-reading while a ``write_view(overwrite=True)`` may be in flight: a mixed old/new pair is
-        never used); :class:`CacheNotFoundError` for a missing file.
+        never used); :class:`CacheNotFoundError` for a missing file. A view already read in this
+        process is not parsed again while its spec, its table's bytes and the tileset file's size,
+        mtime and inode are unchanged (a copy of the kept frame is returned).
         """
         spec, data = self._view_pair(view)
+        tpath = tiles_path(self.root, spec.tileset)
+        try:
+            st = tpath.stat()
+        except OSError:
+            st = None
+        key = (str(self.root), view, repr(spec), hashlib.sha256(data).hexdigest(),
+               None if st is None else (st.st_size, st.st_mtime_ns, st.st_ino))
+        kept = _VIEW_FRAMES.get(key) if st is not None else None
+        if kept is None:
+            kept = self._parse_view(view, spec, data)
+            if st is not None:
+                if len(_VIEW_FRAMES) >= _VIEW_FRAMES_MAX:
+                    _VIEW_FRAMES.pop(next(iter(_VIEW_FRAMES)))
+                _VIEW_FRAMES[key] = kept
+        frame = kept.copy()
+        frame.attrs = dict(kept.attrs)
+        return frame
+
+    def _parse_view(self, view: str, spec, data: bytes) -> pd.DataFrame:
+        """:meth:`read_view`'s frame from the view's checked table bytes (validated, joined with the tileset)."""
         path = view_table_path(self.root, view)
         try:
             frame = pq.read_table(pa.BufferReader(data)).to_pandas()

@@ -26,11 +26,13 @@ from dataclasses import dataclass
 
 from .._threads import single_thread_blas
 from .._warncapture import captured_warnings
+from ..cache import Cache
 from ..errors import DATA_ERRORS
 from ..neighbors.registry import searcher_for
 from ..neighbors.shared import SharedSearch, shareable
+from ..results.scores import keep_entries
 from ..store import ResultsStore
-from .outcome import UnitOutcome
+from .outcome import DONE, UnitOutcome
 from .plan import UnitKind
 from .unit import load_unit_inputs, record_unit_failure, score_unit, write_unit_result
 
@@ -138,7 +140,7 @@ class _Engines:
         return self._shared[key]
 
 
-def run_batch(batch: ScoreBatch, run_id: str | None = None) -> tuple[UnitOutcome, ...]:
+def run_batch(batch: ScoreBatch, run_id: str | None = None, tables: dict | None = None) -> tuple[UnitOutcome, ...]:
     """The Dask task of a :class:`ScoreBatch`: one :class:`~.outcome.UnitOutcome` per unit, in order.
 
     Reads the inputs once (:func:`~.unit.load_unit_inputs`, on the worker; a data error there is
@@ -146,7 +148,10 @@ def run_batch(batch: ScoreBatch, run_id: str | None = None) -> tuple[UnitOutcome
     warnings captured per unit) and stores it at once (atomic, so a worker lost midway loses only
     the unit it was computing). Timings: the shared load is counted on the batch's first unit
     (``seconds_load``, and in its ``seconds``; the other units' ``seconds_load`` is 0, so the units'
-    ``seconds`` add up to the task's wall time), as are the embedding bytes read. Raises
+    ``seconds`` add up to the task's wall time), as are the embedding bytes read. ``tables``
+    (``{"bootstrap": {...}, "min_support": x}``, the job's): the stored units' score entries are
+    computed here too and kept in the store (:func:`cachescore.results.scores.keep_entries`; best
+    effort: what is not kept, the publication computes). Raises
     :class:`BatchErrors` after the other units are stored when a unit raised something that is not
     a data error; ``ValueError`` for a unit that is not a metric unit.
     """
@@ -163,24 +168,40 @@ def run_batch(batch: ScoreBatch, run_id: str | None = None) -> tuple[UnitOutcome
             except DATA_ERRORS as exc:
                 return tuple(record_unit_failure(store, u, exc, run_id=run_id, started=t0) for u in batch.units)
         loaded = time.perf_counter()
-        outcomes, errors, engines = [], {}, _Engines()
+        outcomes, errors, engines, stored = [], {}, _Engines(), {}
         for i, unit in enumerate(batch.units):
             started = t0 if i == 0 else time.perf_counter()
             outcome = stored_by_run(store, unit, run_id) or _score_one(
                 store, unit, features, manifest, engines, run_id=run_id, started=started,
                 loaded=loaded if i == 0 else started, warnings_before=load_warnings if i == 0 else (),
-                bytes_read=int(features.nbytes) if i == 0 else 0, errors=errors)
+                bytes_read=int(features.nbytes) if i == 0 else 0, errors=errors, stored=stored)
             if outcome is not None:
                 outcomes.append(outcome)
+        if tables is not None:
+            _keep_entries(store, batch, {o.fingerprint: stored.get(o.fingerprint) for o in outcomes
+                                         if o.status == DONE}, manifest, tables)
     if errors:
         raise BatchErrors(errors, {u.fingerprint: u.label for u in batch.units})
     return tuple(outcomes)
 
 
+def _keep_entries(store, batch: ScoreBatch, per_units: dict, manifest, tables: dict) -> None:
+    """The stored units' score entries (``per_units``: fingerprint -> per-unit table, or None for
+    a unit an earlier try stored), kept for the publication (best effort: never a unit's failure)."""
+    if not per_units:
+        return
+    try:
+        keep_entries(store, Cache(batch.first.cache_root, mode="r"), list(per_units), bootstrap=tables.get("bootstrap"),
+                     min_support=float(tables.get("min_support", 0.5)), view_frame=manifest,
+                     per_units={fp: t for fp, t in per_units.items() if t is not None})
+    except Exception:  # noqa: BLE001 - an optimisation: the publication computes what is not kept
+        pass
+
+
 def _score_one(store, unit, features, manifest, engines: _Engines, *, run_id, started: float, loaded: float,
-               warnings_before, bytes_read: int, errors: dict) -> UnitOutcome | None:
-    """Score and store one unit of a batch; None (and ``errors[fingerprint]``) when it raised
-    something that is not a data error."""
+               warnings_before, bytes_read: int, errors: dict, stored: dict) -> UnitOutcome | None:
+    """Score and store one unit of a batch (its per-unit table goes to ``stored[fingerprint]``);
+    None (and ``errors[fingerprint]``) when it raised something that is not a data error."""
     with captured_warnings() as caught:
         try:
             record, per_unit = score_unit(unit, features, manifest, searcher=engines.for_unit(unit))
@@ -189,6 +210,7 @@ def _score_one(store, unit, features, manifest, engines: _Engines, *, run_id, st
         except Exception as exc:  # noqa: BLE001 - raised for the batch once the others are stored
             errors[unit.fingerprint] = f"{type(exc).__name__}: {exc}"
             return None
+    stored[unit.fingerprint] = per_unit
     return write_unit_result(store, unit, record, per_unit, started=started, loaded=loaded,
                              caught=[*warnings_before, *caught], run_id=run_id, bytes_read=bytes_read)
 

@@ -23,6 +23,7 @@ import dask
 
 from .._taskkeys import ANNOTATION, unit_prefix
 from ..errors import RunAborted, RunInterrupted
+from ..jobs.sections import as_dict
 from ..monitoring import RunMonitor
 from ..monitoring.progress import RunProgress
 from ..neighbors.large_scope import remove_scratch
@@ -58,15 +59,17 @@ def _units_of(work) -> tuple:
     return work.units if isinstance(work, ScoreBatch) else (work,)
 
 
-def _start(work, client, drivers, *, bundles, run_id, retries):
+def _start(work, client, drivers, *, bundles, run_id, retries, tables=None):
     """Start one item of work by its kind (the one dispatch on :class:`~.plan.UnitKind`); returns
     its future (a ``distributed.Future``, or a ``concurrent.futures.Future`` for a driven unit).
     Its tasks carry the annotation of its units (:func:`~.unit.unit_annotation`; a batch's lists
-    every unit's fingerprint under ``units``)."""
+    every unit's fingerprint under ``units``). ``tables``: the job's table settings, for a batch
+    to keep its units' score entries (:func:`~.batch.run_batch`)."""
     if isinstance(work, ScoreBatch):
         ann = dict(unit_annotation(work.first, run_id), metric=work.metric, units=list(work.fingerprints))
         with dask.annotate(**{ANNOTATION: ann}):
-            return client.submit(run_batch, work, run_id, key=_task_key(work, run_id), retries=retries, pure=False)
+            return client.submit(run_batch, work, run_id, tables, key=_task_key(work, run_id), retries=retries,
+                                 pure=False)
     if work.kind is UnitKind.LARGE:
         return drivers.submit(drive_large_unit, work, client, run_id, retries)
     with dask.annotate(**{ANNOTATION: unit_annotation(work, run_id)}):
@@ -222,6 +225,7 @@ def execute_plan(plan: Plan, client, *, store=None, retries: int = 2, out: TextI
     store = ResultsStore(plan.job.store) if store is None else store
     ended = {} if ended is None else ended
     pending = list(plan.pending)
+    tables = {"bootstrap": as_dict(plan.job.metrics.bootstrap), "min_support": float(plan.job.report.min_support)}
     drivers = ThreadPoolExecutor(max_workers=max(1, int(large_unit_drivers)), thread_name_prefix="cachescore-large")
     progress = RunProgress(len(pending), out, verbose=verbose)
     loop = _Completions(client, store, run_id, Watchdog(client, progress, no_workers_timeout=no_workers_timeout),
@@ -230,8 +234,8 @@ def execute_plan(plan: Plan, client, *, store=None, retries: int = 2, out: TextI
         with DeferredInterrupts() as interrupts:  # signals raise at the loop's top, not inside distributed
             for work in _work_items(pending):  # tasks first, then drivers
                 interrupts.check()
-                loop.add(_start(work, client, drivers, bundles=plan.job.bundles, run_id=run_id, retries=retries),
-                         _units_of(work))
+                loop.add(_start(work, client, drivers, bundles=plan.job.bundles, run_id=run_id, retries=retries,
+                                tables=tables), _units_of(work))
             while len(ended) < len(loop.units):
                 interrupts.check()
                 loop.next()

@@ -11,7 +11,7 @@ from typing import TextIO
 
 from ..cache import Cache
 from ..store import CorruptRecordError
-from .memo import TableMemo
+from .memo import EntryMemo, TableMemo
 from .scores import probe_centre_table, probe_table, score_table
 from .tables import publish_tables
 
@@ -25,12 +25,29 @@ def build_results(store, cache_root, fingerprints, *, bootstrap: dict | None, mi
     ``[metrics] bootstrap`` and ``[report] min_support``. Records the store lacks are left out;
     nothing is written. Raises what the tables raise for bad inputs (``ValueError``) or a damaged
     record (:class:`~cachescore.store.CorruptRecordError`). Groups unchanged since they were last
-    kept in the store (:class:`~.memo.TableMemo`) are read from there; ``keep`` (publication only:
-    read-only commands never write) keeps the recomputed ones."""
-    memo = TableMemo(store.path, writable=keep)
+    kept in the store (:class:`~.memo.TableMemo`) are read from there, and a changed group ranks
+    its members' kept entries (:class:`~.memo.EntryMemo`: computed by the unit tasks, or here);
+    ``keep`` (publication only: read-only commands never write) keeps the recomputed ones."""
+    store = _RecordsReadOnce(store)  # the three tables read the same records
+    memo, entries = TableMemo(store.path, writable=keep), EntryMemo(store.path, writable=keep)
     scores = score_table(store, Cache(cache_root), fingerprints, bootstrap=bootstrap, min_support=float(min_support),
-                         memo=memo)
+                         memo=memo, entries=entries)
     return scores, probe_table(store, fingerprints), probe_centre_table(store, fingerprints)
+
+
+class _RecordsReadOnce:
+    """``store`` whose :meth:`record` reads each record once (for one :func:`build_results`)."""
+
+    def __init__(self, store):
+        self._store, self._records = store, {}
+
+    def record(self, fp: str):
+        if fp not in self._records:
+            self._records[fp] = self._store.record(fp)
+        return self._records[fp]
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
 
 
 def publish_results(store, cache_root, fingerprints, *, bootstrap: dict | None, min_support: float,

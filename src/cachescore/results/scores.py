@@ -45,9 +45,9 @@ import pandas as pd
 from ..metrics import families
 from ..metrics.bootstrap import cluster_counts, percentile_ci, rank_summary
 from .bundles import BundleFacts, bundle_facts
-from .memo import group_token
+from .memo import EntryMemo, entry_token, group_token
 
-__all__ = ["SCORE_COLUMNS", "PROBE_COLUMNS", "CENTRE_COLUMNS", "BOOTSTRAP_DEFAULTS", "score_entries", "score_table",
+__all__ = ["SCORE_COLUMNS", "PROBE_COLUMNS", "CENTRE_COLUMNS", "BOOTSTRAP_DEFAULTS", "score_entries", "score_table", "keep_entries",
            "probe_table", "probe_centre_table", "paired_difference"]
 
 #: Columns of the tidy score table, in order (``<store>/scores.parquet``; README "Reading results").
@@ -85,6 +85,11 @@ class _Views:
         self.cache, self.bootstrap = cache, bootstrap
         self._frames: dict = {}
         self._draws: dict = {}
+
+    def seed(self, view: str, frame: pd.DataFrame) -> None:
+        """Use ``frame`` (``cache.read_view(view)``, already read) for ``view``."""
+        if view not in self._frames:
+            self._frames[view] = (frame, self.cache.view_spec(view).confounder_column)
 
     def frame(self, view: str) -> tuple[pd.DataFrame, str]:
         if view not in self._frames:
@@ -130,10 +135,11 @@ def _low_support(family, record: dict, min_support: float) -> bool:
     return bool(family is not None and family.has_support and math.isfinite(support) and support < min_support)
 
 
-def _metric_entry(fp: str, record: dict, store, views: _Views, bootstrap: dict, min_support: float) -> dict:
+def _metric_entry(fp: str, record: dict, store, views: _Views, bootstrap: dict, min_support: float,
+                  per_unit: pd.DataFrame | None = None) -> dict:
     family = families.lookup(record.get("metric"))
     view, design = record.get("view"), record.get("design")
-    per_unit = store.per_unit(fp)
+    per_unit = store.per_unit(fp) if per_unit is None else per_unit
     missing = [c for c in ("source_index", "subset", "value") if c not in per_unit.columns]
     if missing:  # a record written by something else than result_record: no units to resample
         return _entry(record, fp, None, f"not available: the per-unit table lacks {', '.join(missing)}", bootstrap,
@@ -270,18 +276,50 @@ class _Entries:
     """Builds score entries of stored records, sharing view frames, bootstrap draws and bundle
     facts across the records of one call."""
 
-    def __init__(self, store, cache, bootstrap: dict, min_support: float):
+    def __init__(self, store, cache, bootstrap: dict, min_support: float, kept: EntryMemo | None = None):
         self.store, self.bootstrap, self.min_support = store, bootstrap, float(min_support)
         self.views = _Views(cache, bootstrap)
         self.facts: dict = {}
+        self.kept = kept
 
-    def entry(self, fp: str, record: dict) -> dict:
+    def entry(self, fp: str, record: dict, per_unit: pd.DataFrame | None = None) -> dict:
+        """The entry of stored record ``fp`` (``per_unit``: its per-unit table when the caller holds it)."""
         if record.get("design") == "probe":
             bundle = record.get("bundle")
             if bundle not in self.facts:
                 self.facts[bundle] = bundle_facts(bundle)
             return _probe_entry(fp, record, self.bootstrap, self.facts[bundle])
-        return _metric_entry(fp, record, self.store, self.views, self.bootstrap, self.min_support)
+        if self.kept is None:
+            return _metric_entry(fp, record, self.store, self.views, self.bootstrap, self.min_support, per_unit)
+        token = entry_token(fp, self.bootstrap, self.min_support)
+        entry = self.kept.get(token)
+        if entry is None:
+            entry = _metric_entry(fp, record, self.store, self.views, self.bootstrap, self.min_support, per_unit)
+            self.kept.put(token, entry)
+        return entry
+
+
+def keep_entries(store, cache, fingerprints, *, bootstrap: dict | None, min_support: float,
+                 view_frame: pd.DataFrame | None = None, per_units: dict | None = None) -> int:
+    """Compute and keep (:class:`~.memo.EntryMemo`) the entries of the stored metric records
+    ``fingerprints`` (the unit task calls this on the worker right after storing them, so the
+    run's publication draws no replicate). ``view_frame``: the records' view as the task read it
+    (``cache.read_view``; all records of one view), so it is not read again; ``per_units``
+    (``{fingerprint: the per-unit table just stored}``) likewise. Returns how many
+    entries were computed; records the store lacks and probe records are skipped. Raises what
+    :func:`score_entries` raises."""
+    bootstrap = dict(BOOTSTRAP_DEFAULTS, **(bootstrap or {}))
+    build = _Entries(store, cache, bootstrap, min_support, kept=EntryMemo(store.path, writable=True))
+    n = 0
+    for fp in dict.fromkeys(fingerprints):
+        record = store.record(fp)
+        if record is None or record.get("design") == "probe":
+            continue
+        if view_frame is not None:
+            build.views.seed(record.get("view"), view_frame)
+        build.entry(fp, record, (per_units or {}).get(fp))
+        n += 1
+    return n
 
 
 def score_entries(store, cache, fingerprints: Iterable[str], *, bootstrap: dict | None = None,
@@ -309,7 +347,7 @@ def _group_of(record: dict) -> tuple:
 
 
 def score_table(store, cache, fingerprints: Iterable[str], *, bootstrap: dict | None = None,
-                min_support: float = 0.5, memo=None) -> pd.DataFrame:
+                min_support: float = 0.5, memo=None, entries=None) -> pd.DataFrame:
     """The tidy score table of the stored records ``fingerprints`` (absent ones are skipped).
 
     ``store``: a ``ResultsStore``; ``cache``: the job's ``Cache`` (views give ``group_id``, labels
@@ -321,7 +359,10 @@ def score_table(store, cache, fingerprints: Iterable[str], *, bootstrap: dict | 
     ``memo`` (a :class:`~.memo.TableMemo`): each group's rows are taken from it when its
     :func:`~.memo.group_token` is kept there — no per-unit table read, no replicate drawn — and
     computed (and kept, when the memo is writable) otherwise; groups no longer part of the table
-    are dropped from a writable memo. Rows are identical either way.
+    are dropped from a writable memo. ``entries`` (an :class:`~.memo.EntryMemo`): a recomputed
+    group takes its members' entries (value, interval, replicates) from it and ranks them, so a
+    group that gained an encoder computes that encoder's entry only; entries of records no longer
+    in the table are dropped from a writable one. Rows are identical either way.
     """
     bootstrap = dict(BOOTSTRAP_DEFAULTS, **(bootstrap or {}))
     groups: dict = {}
@@ -329,21 +370,23 @@ def score_table(store, cache, fingerprints: Iterable[str], *, bootstrap: dict | 
         record = store.record(fp)
         if record is not None:
             groups.setdefault(_group_of(record), []).append((fp, record))
-    build = _Entries(store, cache, bootstrap, min_support)
+    build = _Entries(store, cache, bootstrap, min_support, kept=entries)
     frames, tokens = [], []
     for members in groups.values():
         token = group_token([fp for fp, _ in members], bootstrap, min_support) if memo is not None else None
         kept = memo.get(token) if memo is not None else None
         if kept is None:
-            entries = [build.entry(fp, record) for fp, record in members]
-            _rank_group(entries, float(bootstrap["level"]))
-            kept = _frame(entries, SCORE_COLUMNS)
+            members_entries = [build.entry(fp, record) for fp, record in members]
+            _rank_group(members_entries, float(bootstrap["level"]))
+            kept = _frame(members_entries, SCORE_COLUMNS)
             if memo is not None:
                 memo.put(token, kept)
         frames.append(kept)
         tokens.append(token)
     if memo is not None:
         memo.keep_only(tokens)
+    if entries is not None:
+        entries.keep_only([entry_token(fp, bootstrap, min_support) for members in groups.values() for fp, _ in members])
     df = pd.concat(frames, ignore_index=True) if frames else _frame([], SCORE_COLUMNS)
     if len(df):
         df = df.sort_values(["view", "design", "scope", "metric", "m", "rank", "encoder"], na_position="last",
