@@ -329,7 +329,25 @@ def cluster_counts(cluster_ids, *, n_boot: int = 2000, seed: int = 0) -> tuple[n
     member, k = _cluster_index(np.asarray(cluster_ids))
     if k == 0:
         return member, np.zeros((int(n_boot), 0), dtype=np.int64)
-    return member, _multiplicities(_draw(np.random.default_rng(seed), n_boot, k), k)
+    return member, _counts(int(n_boot), int(seed), int(k))
+
+
+#: ``(n_boot, seed, K) -> counts`` drawn in this process (read-only arrays): the draw depends on
+#: those three only, and every record of one view shares it.
+_COUNTS: dict = {}
+_COUNTS_MAX = 16
+
+
+def _counts(n_boot: int, seed: int, k: int) -> np.ndarray:
+    key = (n_boot, seed, k)
+    counts = _COUNTS.get(key)
+    if counts is None:
+        counts = _multiplicities(_draw(np.random.default_rng(seed), n_boot, k), k)
+        counts.flags.writeable = False  # shared: a caller writing into it would change every later draw
+        if len(_COUNTS) >= _COUNTS_MAX:
+            _COUNTS.pop(next(iter(_COUNTS)))
+        _COUNTS[key] = counts
+    return counts
 
 
 def pooled_ratio_replicates(so, os, member, counts) -> np.ndarray:

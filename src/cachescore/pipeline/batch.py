@@ -155,10 +155,7 @@ def run_batch(batch: ScoreBatch, run_id: str | None = None, tables: dict | None 
     :class:`BatchErrors` after the other units are stored when a unit raised something that is not
     a data error; ``ValueError`` for a unit that is not a metric unit.
     """
-    for u in batch.units:
-        if u.kind is not UnitKind.SCORE:
-            raise ValueError(f"{u.label}: a {u.kind.value} unit is not run as a metric task (a large-scope unit "
-                             "is driven from the client by drive_large_unit; a probe unit runs as run_probe_task)")
+    _require_metric_units(batch)
     store = ResultsStore(batch.first.store_root)
     t0 = time.perf_counter()
     with single_thread_blas():
@@ -167,22 +164,37 @@ def run_batch(batch: ScoreBatch, run_id: str | None = None, tables: dict | None 
                 features, manifest = load_unit_inputs(batch.first)
             except DATA_ERRORS as exc:
                 return tuple(record_unit_failure(store, u, exc, run_id=run_id, started=t0) for u in batch.units)
-        loaded = time.perf_counter()
-        outcomes, errors, engines, stored = [], {}, _Engines(), {}
-        for i, unit in enumerate(batch.units):
-            started = t0 if i == 0 else time.perf_counter()
-            outcome = stored_by_run(store, unit, run_id) or _score_one(
-                store, unit, features, manifest, engines, run_id=run_id, started=started,
-                loaded=loaded if i == 0 else started, warnings_before=load_warnings if i == 0 else (),
-                bytes_read=int(features.nbytes) if i == 0 else 0, errors=errors, stored=stored)
-            if outcome is not None:
-                outcomes.append(outcome)
+        outcomes, errors, stored = _score_all(store, batch, features, manifest, run_id=run_id, started=t0,
+                                              loaded=time.perf_counter(), load_warnings=load_warnings)
         if tables is not None:
             _keep_entries(store, batch, {o.fingerprint: stored.get(o.fingerprint) for o in outcomes
                                          if o.status == DONE}, manifest, tables)
     if errors:
         raise BatchErrors(errors, {u.fingerprint: u.label for u in batch.units})
     return tuple(outcomes)
+
+
+def _require_metric_units(batch: ScoreBatch) -> None:
+    for u in batch.units:
+        if u.kind is not UnitKind.SCORE:
+            raise ValueError(f"{u.label}: a {u.kind.value} unit is not run as a metric task (a large-scope unit "
+                             "is driven from the client by drive_large_unit; a probe unit runs as run_probe_task)")
+
+
+def _score_all(store, batch: ScoreBatch, features, manifest, *, run_id, started: float, loaded: float,
+               load_warnings) -> tuple[list, dict, dict]:
+    """Every unit of the batch scored and stored in order (the shared load counted on the first):
+    ``(outcomes, errors, per-unit tables)`` (see :func:`_score_one`)."""
+    outcomes, errors, engines, stored = [], {}, _Engines(), {}
+    for i, unit in enumerate(batch.units):
+        begun = started if i == 0 else time.perf_counter()
+        outcome = stored_by_run(store, unit, run_id) or _score_one(
+            store, unit, features, manifest, engines, run_id=run_id, started=begun,
+            loaded=loaded if i == 0 else begun, warnings_before=load_warnings if i == 0 else (),
+            bytes_read=int(features.nbytes) if i == 0 else 0, errors=errors, stored=stored)
+        if outcome is not None:
+            outcomes.append(outcome)
+    return outcomes, errors, stored
 
 
 def _keep_entries(store, batch: ScoreBatch, per_units: dict, manifest, tables: dict) -> None:

@@ -107,6 +107,11 @@ class _Views:
         return got[1], got[2]
 
 
+def _one_value(values: np.ndarray) -> bool:
+    """Fewer than two distinct values (``np.unique(values).size < 2`` without sorting strings)."""
+    return values.size == 0 or not bool((values != values[0]).any())
+
+
 def _fallback_reason(family, record: dict, per_unit: pd.DataFrame, frame: pd.DataFrame, confounder: str) -> str:
     """Why a stored value is a fallback, or ``""``: for a family with support (RI/MaRI, spec
     §5.3) 0.5 without support, or a scope with one confounder value (no OS neighbour) or one label
@@ -118,12 +123,12 @@ def _fallback_reason(family, record: dict, per_unit: pd.DataFrame, frame: pd.Dat
         subsets = per_unit["subset"].astype(str).to_numpy()
         conf = frame[confounder].astype(str).to_numpy()[rows] if confounder in frame.columns else None
         lab = frame["label"].astype(str).to_numpy()[rows] if "label" in frame.columns else None
-        for s in np.unique(subsets):
+        for s in sorted(set(subsets.tolist())):
             sel = subsets == s
             where = "the view" if s == "dataset" else f"scope {s!r}"
-            if conf is not None and np.unique(conf[sel]).size < 2:
+            if conf is not None and _one_value(conf[sel]):
                 return f"{where} has a single {confounder!r} value: RI/MaRI are not defined (no OS neighbour)"
-            if lab is not None and np.unique(lab[sel]).size < 2:
+            if lab is not None and _one_value(lab[sel]):
                 return f"{where} has a single label: RI/MaRI are not defined (no SO neighbour)"
     if not math.isfinite(_num(record.get("value"))):
         return "the value is not finite"
