@@ -106,6 +106,27 @@ def test_board_states_and_prometheus_families():
     assert "<td class=\"\">&lt;b&gt;</td>" in _row(dict(_unit("x", "<b>")))  # page cells are escaped
 
 
+def test_a_batch_task_marks_each_of_its_units_running_and_ends_them_in_one_call():
+    """A score batch's task carries every unit's fingerprint under ``units`` (ADR-0018): its start
+    marks each running; the client ends them with one board call (``finish_units``)."""
+    from types import SimpleNamespace
+
+    from cachescore.monitoring.plugin import CachescorePlugin
+
+    plugin = CachescorePlugin()
+    plugin.board = RunBoard()
+    plugin.board.start({"run_id": "r", "job": "j", "store": "/s", "started": 1.0},
+                       [_unit("a", "enc0"), _unit("b", "enc0"), _unit("c", "enc0")])
+    ann = {"cachescore": {"unit": "a", "units": ["a", "b"], "encoder": "enc0", "view": "v", "metric": "ri+mari"}}
+    plugin.scheduler = SimpleNamespace(tasks={"k": SimpleNamespace(annotations=ann)})
+    plugin.transition("k", "waiting", "processing")
+    states = {u["fingerprint"]: u["state"] for u in plugin.board.snapshot()["units"]}
+    assert states == {"a": "running", "b": "running", "c": "pending"}
+    plugin.board.finish_units([("a", {"status": "done", "rows": 10}), ("b", {"status": "failed", "error": "E: x"})])
+    states = {u["fingerprint"]: u["state"] for u in plugin.board.snapshot()["units"]}
+    assert states == {"a": "done", "b": "failed", "c": "pending"} and plugin.board.rows_scored == 10
+
+
 def _dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
