@@ -458,3 +458,23 @@ def test_a_runs_entries_are_computed_by_its_unit_tasks_not_by_its_publication(de
     assert summary.ok and summary.succeeded == 8
     assert len(threads) == 8 and threading.main_thread().name not in threads, threads
     assert len(pd.read_parquet(tmp_path / "store" / "scores.parquet")) == 8
+
+
+def test_a_kept_entry_reads_back_as_written_and_a_damaged_one_is_a_miss(tmp_path):
+    from cachescore.results.memo import EntryMemo
+
+    memo = EntryMemo(tmp_path, writable=True)
+    reps = np.array([0.25, np.nan, 1e-300, -0.0])
+    entry = {"encoder": "enc0", "value": float("nan"), "m": None, "defined": True, "warnings": "a\nb", "_reps": reps}
+    memo.put("t1", entry)
+    memo.put("t2", dict(entry, _reps=None))
+    got = memo.get("t1")
+    np.testing.assert_array_equal(got.pop("_reps"), reps)
+    assert got["warnings"] == "a\nb" and got["m"] is None and got["value"] != got["value"]
+    assert memo.get("t2")["_reps"] is None
+    path = memo.folder / "t1.entry"
+    path.write_bytes(path.read_bytes()[:-3])  # truncated
+    assert memo.get("t1") is None and memo.get("absent") is None
+    EntryMemo(tmp_path, writable=False).put("t3", entry)  # read-only: writes nothing
+    assert sorted(p.name for p in memo.folder.iterdir()) == ["t1.entry", "t2.entry"]
+    assert memo.keep_only(["t2"]) == 1 and memo.get("t2") is not None

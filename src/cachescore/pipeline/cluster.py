@@ -219,10 +219,19 @@ def open_client(scheduler: str | None = None, *, n_workers: int = 2, memory_limi
     # in-process workers (processes=False) share this process's warnings state: hold the per-unit
     # capture installed for the cluster's life (see cachescore._warncapture)
     hold = contextlib.nullcontext() if processes else hold_capture()
-    with _scheduler_config_restored(), hold, LocalCluster(**kwargs) as cluster, \
+    with _scheduler_config_restored(), hold, dask.config.set(_WORKER_MALLOC), LocalCluster(**kwargs) as cluster, \
             Client(cluster, set_as_default=False) as client:
         client.register_plugin(SingleThreadBLAS())
         yield client
+
+
+#: distributed's nannies start workers with ``MALLOC_TRIM_THRESHOLD_=65536``, which also freezes
+#: glibc's mmap threshold at 128 KiB: every array above it (a neighbour tile, a per-unit column, a
+#: bootstrap matrix) is a fresh mmap whose pages fault in and are unmapped again. On the 960-unit
+#: benchmark that was ~10 s of system time per worker (user 16 s) and halved the workers' speed
+#: against the same batches in one process (``benchmarks/many_units.py``). Our LocalCluster workers
+#: keep glibc's adaptive defaults (``None`` unsets the variable; ADR-0018).
+_WORKER_MALLOC = {"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}
 
 
 @contextlib.contextmanager

@@ -18,8 +18,9 @@ depends on its own record only (the draw is a function of the view's groups and 
 group that gains an encoder ranks the kept entries of its other members and computes only the
 new one's. The unit task writes its record's entry on the worker right after the record
 (:func:`cachescore.results.scores.keep_entries`), so a run's publication draws no replicate at all.
-Entries are ``.npz`` files without pickles (``allow_pickle=False``): the entry's fields as JSON
-text and the replicates as a float64 array.
+An entry file is one line of JSON (the entry's fields and the replicate count, -1 for none), a
+newline, then the replicates as raw little-endian float64: nothing is unpickled, and a truncated
+file is a miss.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ from ..store import TABLE_CACHE_DIR
 
 __all__ = ["TableMemo", "group_token", "EntryMemo", "entry_token", "ENTRIES_DIR"]
 
-#: The folder of kept record entries, under the table cache.
+#: The folder of kept record entries, under the table cache, and their files' suffix.
 ENTRIES_DIR = "entries"
+ENTRY_SUFFIX = ".entry"
 
 
 def group_token(fingerprints, bootstrap: dict, min_support: float) -> str:
@@ -102,16 +104,19 @@ class EntryMemo:
         self.writable = writable
 
     def _path(self, token: str) -> Path:
-        return self.folder / f"{token}.npz"
+        return self.folder / f"{token}{ENTRY_SUFFIX}"
 
     def get(self, token: str) -> dict | None:
         """The entry kept under ``token``, or None (absent, unreadable or damaged: recompute)."""
         try:
-            with np.load(self._path(token), allow_pickle=False) as data:
-                entry = json.loads(str(data["entry"][()]))
-                entry["_reps"] = np.array(data["reps"], dtype=np.float64) if bool(data["has_reps"][()]) else None
-        except (OSError, ValueError, KeyError, TypeError):
+            head, _, body = self._path(token).read_bytes().partition(b"\n")
+            entry = json.loads(head)
+            n = int(entry.pop("_n_reps"))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
+        if n >= 0 and len(body) != 8 * n:
+            return None  # truncated: recompute
+        entry["_reps"] = np.frombuffer(body, dtype="<f8").astype(np.float64) if n >= 0 else None
         return entry
 
     def put(self, token: str, entry: dict) -> None:
@@ -120,18 +125,18 @@ class EntryMemo:
             return
         reps = entry.get("_reps")
         fields = {k: v for k, v in entry.items() if k != "_reps"}
-        buf = io.BytesIO()
         try:
-            np.savez(buf, entry=np.array(json.dumps(fields)), has_reps=np.array(reps is not None),
-                     reps=np.asarray(reps if reps is not None else [], dtype=np.float64))
+            values = np.ascontiguousarray(reps, dtype="<f8") if reps is not None else None
+            fields["_n_reps"] = -1 if values is None else int(values.size)
+            data = json.dumps(fields).encode() + b"\n" + (b"" if values is None else values.tobytes())
             self.folder.mkdir(parents=True, exist_ok=True)
-            atomic_write_bytes(self._path(token), buf.getvalue(), overwrite=True)
+            atomic_write_bytes(self._path(token), data, overwrite=True)
         except (OSError, ValueError, TypeError):
             pass
 
     def keep_only(self, tokens) -> int:
         """Remove the kept entries not in ``tokens``; returns how many."""
-        return _keep_only(self.folder, tokens, ".npz") if self.writable else 0
+        return _keep_only(self.folder, tokens, ENTRY_SUFFIX) if self.writable else 0
 
 
 def _keep_only(folder: Path, tokens, suffix: str) -> int:
