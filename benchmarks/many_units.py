@@ -124,6 +124,14 @@ def _stored(store_root: Path) -> dict:
     return out
 
 
+def _last_run_executed(store_root: Path) -> int:
+    """Units the newest run of the store executed (its provenance)."""
+    import json
+
+    runs = sorted((store_root / "runs").glob("*/provenance.json"), key=lambda p: p.stat().st_mtime)
+    return int(json.loads(runs[-1].read_text())["units"]["executed"])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--encoders", type=int, default=40)
@@ -152,7 +160,8 @@ def main(argv=None) -> int:
         print(f"cachescore run (2 workers)     {run_s:7.1f} s   {1000 * (run_s - loop_s) / units:+6.1f} ms/unit over "
               f"the loop   run/loop {run_s / loop_s:.2f}x   values identical {same}/{units}", flush=True)
         noop_s = _cli("run", str(job), "--quiet", env=env)
-        print(f"no-op re-run                   {noop_s:7.1f} s", flush=True)
+        print(f"no-op re-run                   {noop_s:7.1f} s   units executed {_last_run_executed(folder / 'store')}",
+              flush=True)
         status_s = _cli("status", str(job), env=env)
         help_s = _cli("--help", env=env)
         print(f"cachescore status              {status_s:7.2f} s\ncachescore --help              {help_s:7.2f} s",
@@ -165,8 +174,12 @@ def main(argv=None) -> int:
         new_loop_s, _ = _loop(cache_root, ["enc-new"], views)
         add_s = _cli("run", str(job), "--quiet", env=env)
         n_new = len(views) * 3
-        print(f"one more encoder ({n_new} units): run {add_s:.1f} s vs their API loop {new_loop_s:.1f} s "
-              f"(limit 2x + 5 s = {2 * new_loop_s + 5:.1f} s)", flush=True)
+        executed = _last_run_executed(folder / "store")
+        print(f"one more encoder ({n_new} units): run {add_s:.1f} s, units executed {executed}, vs their API loop "
+              f"{new_loop_s:.1f} s (limit 2x + 5 s = {2 * new_loop_s + 5:.1f} s)", flush=True)
+        if executed != n_new:
+            print(f"the added encoder's run executed {executed} units, not {n_new}", file=sys.stderr)
+            return 1
         if same != units:
             print("VALUES DIFFER", file=sys.stderr)
             return 1
