@@ -207,3 +207,21 @@ def test_write_from_dask_and_memmap_inputs(tmp_path):
     np.testing.assert_array_equal(c.load_rows("frommemmap", "ts"), x.astype("float16"))
     assert [s.rows for s in c.meta("fromdask", "ts").shards] == [10, 10, 10, 10, 7]
     c.validate_embeddings("fromdask", "ts")
+
+
+def test_a_view_read_again_is_the_kept_frame_until_its_files_change(tmp_path):
+    """``read_view`` keeps parsed views per process (issue 25: a worker reads each view once per
+    encoder): a caller's edits never reach the next read, and a rewritten view or tileset is read anew."""
+    from cachescore.cache import make_demo_cache
+
+    root = make_demo_cache(tmp_path / "c", n_slides_per_cell=2, tiles_per_slide=3, dim=4, encoders=2, seed=0)
+    cache = Cache(root)
+    first = cache.read_view("centre_all")
+    first.loc[0, "label"] = "edited"
+    second = cache.read_view("centre_all")
+    assert second.loc[0, "label"] != "edited" and second.attrs["view"] == "centre_all"
+    pd.testing.assert_frame_equal(second, Cache(root).read_view("centre_all"))
+    frame = second.drop(columns=["row", "image_path"])
+    write_view(root, "centre_all", frame.iloc[: len(frame) // 2], tileset="demo", confounder_column="centre",
+               design="all", overwrite=True)
+    assert len(cache.read_view("centre_all")) == len(frame) // 2

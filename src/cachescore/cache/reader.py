@@ -59,9 +59,18 @@ __all__ = ["Cache"]
 _VALIDATED: dict[tuple, tuple] = {}
 _VALIDATED_MAX = 256
 #: Views already read in this process: (root, view, spec, sha256 of the table bytes, tiles.parquet
-#: stat) -> the frame (work units of one worker read the same views for every encoder).
+#: stat) -> the frame (work units of one worker read the same views for every encoder). Bounded by
+#: rows, oldest out first, so a process that reads large views (an out-of-core driver) keeps none.
 _VIEW_FRAMES: dict[tuple, pd.DataFrame] = {}
-_VIEW_FRAMES_MAX = 32
+_VIEW_FRAMES_MAX_ROWS = 500_000
+
+
+def _keep_view_frame(key: tuple, frame: pd.DataFrame) -> None:
+    if len(frame) > _VIEW_FRAMES_MAX_ROWS:
+        return
+    _VIEW_FRAMES[key] = frame
+    while sum(len(f) for f in _VIEW_FRAMES.values()) > _VIEW_FRAMES_MAX_ROWS:
+        _VIEW_FRAMES.pop(next(iter(_VIEW_FRAMES)))
 
 
 #: Attempts, and the pause before each retry (seconds, times the attempt number), to read a view's
@@ -252,7 +261,8 @@ class Cache:
         re-reading while a ``write_view(overwrite=True)`` may be in flight: a mixed old/new pair is
         never used); :class:`CacheNotFoundError` for a missing file. A view already read in this
         process is not parsed again while its spec, its table's bytes and the tileset file's size,
-        mtime and inode are unchanged (a copy of the kept frame is returned).
+        mtime and inode are unchanged (a copy of the kept frame is returned; views of up to
+        500,000 rows in all are kept).
         """
         spec, data = self._view_pair(view)
         tpath = tiles_path(self.root, spec.tileset)
@@ -266,9 +276,7 @@ class Cache:
         if kept is None:
             kept = self._parse_view(view, spec, data)
             if st is not None:
-                if len(_VIEW_FRAMES) >= _VIEW_FRAMES_MAX:
-                    _VIEW_FRAMES.pop(next(iter(_VIEW_FRAMES)))
-                _VIEW_FRAMES[key] = kept
+                _keep_view_frame(key, kept)
         frame = kept.copy()
         frame.attrs = dict(kept.attrs)
         return frame

@@ -125,19 +125,18 @@ def stored_by_run(store, unit, run_id) -> UnitOutcome | None:
 
 
 class _Engines:
-    """The engines of one batch: one shared exact engine per parameter set, a fresh one per unit otherwise."""
+    """The engines of one batch: one shared exact engine (:func:`~cachescore.neighbors.shared.shareable`
+    units), a fresh one per unit otherwise."""
 
     def __init__(self):
-        self._shared: dict = {}
+        self._shared = None
 
     def for_unit(self, unit):
-        p = unit.params
-        if not shareable(p):
-            return searcher_for(p)
-        key = tuple(sorted((k, str(v)) for k, v in p.items() if k in ("backend", "engine")))
-        if key not in self._shared:
-            self._shared[key] = SharedSearch(searcher_for(p))
-        return self._shared[key]
+        if not shareable(unit.params):
+            return searcher_for(unit.params)
+        if self._shared is None:
+            self._shared = SharedSearch(searcher_for(unit.params))
+        return self._shared
 
 
 def run_batch(batch: ScoreBatch, run_id: str | None = None, tables: dict | None = None) -> tuple[UnitOutcome, ...]:
