@@ -466,11 +466,13 @@ def rank_summary(models, point_values, replicates, *, level: float = 0.95, ties:
     n_rep = max(1, reps.shape[0])
     win = beats.sum(axis=0) / float(n_rep)
     q_lo = (1.0 - level) / 2.0 * 100.0
+    rank_lo = np.percentile(low, q_lo, axis=0)  # per column, as one call per model would give
+    rank_hi = np.percentile(high, 100.0 - q_lo, axis=0)
     return {
         "point_rank": point_rank,
         "mean_rank": {name: float(ranks[:, j].mean()) for j, name in enumerate(models)},
-        "rank_lo": {name: int(np.percentile(low[:, j], q_lo)) for j, name in enumerate(models)},
-        "rank_hi": {name: int(np.percentile(high[:, j], 100.0 - q_lo)) for j, name in enumerate(models)},
+        "rank_lo": {name: int(rank_lo[j]) for j, name in enumerate(models)},
+        "rank_hi": {name: int(rank_hi[j]) for j, name in enumerate(models)},
         "pairwise_win": {(a, b): float(win[i, j]) for i, a in enumerate(models) for j, b in enumerate(models)
                          if a != b},
     }
