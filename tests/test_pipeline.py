@@ -677,6 +677,12 @@ def test_a_bug_in_one_unit_of_a_batch_hides_no_other_unit(tmp_path, demo_cache):
     assert sorted(_BUG_CALLS) == ["croma"] * 3 + ["mari", "ri"]  # croma tried 3 times, the others once
     store = ResultsStore(job.store)
     assert len(store.fingerprints()) == 2 and list(store.failures()["error"]) == [summary.failures[0]["error"]]
+    import pickle
+
+    from cachescore.pipeline.batch import BatchErrors
+
+    sent = pickle.loads(pickle.dumps(BatchErrors({"f" * 64: "ZeroDivisionError: x"}, {"f" * 64: "e/v/all/croma"})))
+    assert sent.errors == {"f" * 64: "ZeroDivisionError: x"} and str(sent) == "e/v/all/croma: ZeroDivisionError: x"
 
 
 def test_a_metric_refusal_is_a_data_error_with_the_unit_label(tmp_path):
