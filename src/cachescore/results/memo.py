@@ -43,12 +43,17 @@ ENTRIES_DIR = "entries"
 ENTRY_SUFFIX = ".entry"
 
 
+def _token(kind: str, subject: dict, bootstrap: dict, min_support: float) -> str:
+    """A kept file's key: ``subject`` (what it was computed from) with the bootstrap settings,
+    ``min_support`` and the code version of the tables (``code_version("tables")``)."""
+    return fingerprint({"kind": kind, **subject, "bootstrap": {k: bootstrap[k] for k in sorted(bootstrap)},
+                        "min_support": float(min_support), "code": code_version("tables")})
+
+
 def group_token(fingerprints, bootstrap: dict, min_support: float) -> str:
     """The key of a group's rows: its record fingerprints (as a set), the bootstrap settings,
     ``min_support`` and the code version of the tables (``code_version("tables")``)."""
-    return fingerprint({"kind": "cachescore.score-group/1", "fingerprints": sorted(set(fingerprints)),
-                        "bootstrap": {k: bootstrap[k] for k in sorted(bootstrap)}, "min_support": float(min_support),
-                        "code": code_version("tables")})
+    return _token("cachescore.score-group/1", {"fingerprints": sorted(set(fingerprints))}, bootstrap, min_support)
 
 
 class TableMemo:
@@ -89,9 +94,7 @@ class TableMemo:
 def entry_token(fp: str, bootstrap: dict, min_support: float) -> str:
     """The key of one record's entry: its fingerprint, the bootstrap settings, ``min_support``
     and the code version of the tables."""
-    return fingerprint({"kind": "cachescore.score-entry/1", "fingerprint": str(fp),
-                        "bootstrap": {k: bootstrap[k] for k in sorted(bootstrap)}, "min_support": float(min_support),
-                        "code": code_version("tables")})
+    return _token("cachescore.score-entry/1", {"fingerprint": str(fp)}, bootstrap, min_support)
 
 
 class EntryMemo:

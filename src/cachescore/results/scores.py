@@ -47,8 +47,8 @@ from ..metrics.bootstrap import cluster_counts, percentile_ci, rank_summary
 from .bundles import BundleFacts, bundle_facts
 from .memo import EntryMemo, entry_token, group_token
 
-__all__ = ["SCORE_COLUMNS", "PROBE_COLUMNS", "CENTRE_COLUMNS", "BOOTSTRAP_DEFAULTS", "score_entries", "score_table", "keep_entries",
-           "probe_table", "probe_centre_table", "paired_difference"]
+__all__ = ["SCORE_COLUMNS", "PROBE_COLUMNS", "CENTRE_COLUMNS", "BOOTSTRAP_DEFAULTS", "score_entries", "score_table",
+           "keep_entries", "probe_table", "probe_centre_table", "paired_difference"]
 
 #: Columns of the tidy score table, in order (``<store>/scores.parquet``; README "Reading results").
 SCORE_COLUMNS = (
@@ -88,12 +88,12 @@ class _Views:
 
     def seed(self, view: str, frame: pd.DataFrame) -> None:
         """Use ``frame`` (``cache.read_view(view)``, already read) for ``view``."""
-        if view not in self._frames:
-            self._frames[view] = (frame, self.cache.view_spec(view).confounder_column)
+        self.frame(view, frame)
 
-    def frame(self, view: str) -> tuple[pd.DataFrame, str]:
+    def frame(self, view: str, read: pd.DataFrame | None = None) -> tuple[pd.DataFrame, str]:
         if view not in self._frames:
-            self._frames[view] = (self.cache.read_view(view), self.cache.view_spec(view).confounder_column)
+            frame = self.cache.read_view(view) if read is None else read
+            self._frames[view] = (frame, self.cache.view_spec(view).confounder_column)
         return self._frames[view]
 
     def draw(self, view: str, design: str, groups: np.ndarray):
