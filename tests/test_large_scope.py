@@ -37,6 +37,7 @@ from cachescore.neighbors.typed import typed_knn
 from cachescore.neighbors import large_scope as ls
 from cachescore.pipeline import plan_job, run_job
 from cachescore.pipeline import batch as batch_mod
+from cachescore.pipeline import large_unit as large_mod
 from cachescore.pipeline import unit as unit_mod
 from cachescore.store import ResultsStore
 from blas_equality import assert_same_search
@@ -266,7 +267,7 @@ def test_large_units_are_driven_from_the_client_and_retried(cache_root, client, 
     root, _ = cache_root
     job = _job(tmp_path, root, "exact")
     threads, calls = {}, {}
-    real = unit_mod.score_large_unit
+    real = large_mod.score_large_unit
 
     def flaky(unit, cl):
         threads[unit.label] = threading.current_thread().name
@@ -277,7 +278,7 @@ def test_large_units_are_driven_from_the_client_and_retried(cache_root, client, 
             raise OSError("worker lost")  # heals on the retry
         return real(unit, cl)
 
-    monkeypatch.setattr(unit_mod, "score_large_unit", flaky)
+    monkeypatch.setattr(large_mod, "score_large_unit", flaky)
     plan = plan_job(job)
     ok, failures = execute_plan(plan, client, out=None, retries=1, large_unit_drivers=2)
     assert ok == len(plan.pending) - 1 and [f["label"].split("/")[0] for f in failures] == ["enc1"]
@@ -423,7 +424,7 @@ def test_captured_warnings_are_per_thread_and_restore_the_filters():
     its own warnings only, and leaving must restore the filters (here pytest's ``error``)."""
     import threading
 
-    from cachescore.pipeline.unit import captured_warnings
+    from cachescore._warncapture import captured_warnings
 
     inside, release = threading.Barrier(2), threading.Event()
     sinks = {}

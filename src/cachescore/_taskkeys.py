@@ -24,7 +24,7 @@ __all__ = ["ANNOTATION", "PHASES", "unit_prefix", "task_key", "current_unit"]
 ANNOTATION = "cachescore"
 
 #: Phases of the work (the first word of every cachescore task key).
-PHASES = ("score", "probe", "probe_replicate", "probe_evaluate", "partition", "calibrate", "search")
+PHASES = ("score", "probe", "probe_replicate", "probe_evaluate", "partition", "calibrate", "search", "reduce")
 
 
 def _word(text) -> str:

@@ -31,7 +31,11 @@ design, searcher)``: returns a result with ``value`` (float) and ``sample_values
 (``(U,)`` float, unit order), and may have ``std``, ``q_alpha``, ``ltm_alpha``, ``n_pairs``,
 ``occurrence_source_indices``, ``occurrence_subsets`` (missing ones are stored as NaN / 0 / the
 view order); it raises ``ValueError`` for data it cannot score and a plain ``RuntimeError`` for a
-refusal of the data (both recorded as the unit's data error). ``record(result)`` returns
+refusal of the data (both recorded as the unit's data error). ``reduce(params, ctx)`` (optional)
+computes an out-of-core unit with its per-row work on the workers
+(:class:`.large.OutOfCore` in, :class:`.large.LargeResult` out, equal to ``compute`` over the same
+neighbour tables bit for bit; :mod:`.large`); a family without one is computed by ``compute`` in
+the driving process over the engine's memory-mapped tables, holding its view there. ``record(result)`` returns
 ``(fields, columns)``: the family's own record fields (``support``, ``n_defined``, ``k``, ``tau``,
 ``f0``, ``m``, anything else JSON-safe) and its extra per-unit columns (name -> ``(U,)`` array, in
 order). ``replicates(per_unit, member, counts, subsets)`` returns ``(replicate values or None,
@@ -51,6 +55,7 @@ from .._keys import NUM, Key, growth, int_list, open_unit, positive_int, tau
 from .._missing import as_float, is_missing
 from .bootstrap import balanced_median_replicates, pooled_ratio_replicates
 from .croma import CROMA_ALPHA, CROMA_HEADLINE_M, CROMA_K_GROWTH, CROMA_START_K, CRoMa
+from .large import croma_reduce, mari_reduce, ri_reduce
 from .mari import MaRI
 from .probe_reductions import nipd
 from .ri import RI
@@ -89,6 +94,7 @@ class Family:
     keys: Mapping[str, Key] = field(default_factory=dict)
     units: Callable[[Mapping], list[dict]] | None = None
     compute: Callable | None = None
+    reduce: Callable | None = None
     record: Callable | None = None
     replicates: Callable | None = None
     scope_problem: Callable | None = None
@@ -267,7 +273,7 @@ _BUILTIN = (
            reading="the share of same-label (SO) neighbours among the typed ones, 0–1 (0.5 = no preference, "
                    "1 = biology only)",
            keys={"k_candidates": Key((list,), [5, 11, 21], "RI " + _K_DOC, int_list)},
-           units=lambda s: [{"k_candidates": _k_list(s)}], compute=_ri_compute, record=_ratio_record,
+           units=lambda s: [{"k_candidates": _k_list(s)}], compute=_ri_compute, reduce=ri_reduce, record=_ratio_record,
            replicates=_ratio_replicates, scope_problem=_k_problem("ri")),
     Family(name="mari", label="MaRI", kind=NEIGHBOUR, value_range=(0.0, 1.0), neutral=0.5, has_support=True,
            doc="Margin-aware RI: the SO share weighted by exp(-distance / tau).",
@@ -276,7 +282,8 @@ _BUILTIN = (
                  "tau": Key((str, int, float), "auto", "MaRI temperature: 'auto' (median typed distance) or a "
                                                       "number > 0.", tau),
                  "warn_tau": Key((bool,), False, "With a pinned tau, run croma's off-scale check (a warning only).")},
-           units=_mari_units, compute=_mari_compute, record=_mari_record, replicates=_ratio_replicates,
+           units=_mari_units, compute=_mari_compute, reduce=mari_reduce, record=_mari_record,
+           replicates=_ratio_replicates,
            scope_problem=_k_problem("mari")),
     Family(name="croma", label="CRoMa", kind=NEIGHBOUR, unit_param="m", margins=True,
            doc="Confounder-robustness margin: median over units of (mean m nearest OS - mean m nearest SO distance).",
@@ -288,7 +295,8 @@ _BUILTIN = (
                  "start_k": Key((int,), CROMA_START_K, "croma's initial window (recorded; the exact typed search does not "
                                              "need it).", positive_int),
                  "k_growth_factor": Key(NUM, CROMA_K_GROWTH, "croma's window growth factor (recorded, as start_k).", growth)},
-           units=_croma_units, compute=_croma_compute, record=_croma_record, replicates=_croma_replicates,
+           units=_croma_units, compute=_croma_compute, reduce=croma_reduce, record=_croma_record,
+           replicates=_croma_replicates,
            scope_problem=_croma_problem),
     Family(name="apd", label="APD", kind=PROBE, evaluation_field="apd", replicates=_apd_replicates,
            doc="Average performance drop of the probe under confounded training splits (0 = none).",

@@ -52,12 +52,13 @@ def normalize_k_values(k_values: Iterable) -> list[int]:
 def knn_predictions(codes: np.ndarray, idx: np.ndarray, valid: np.ndarray, ks: list[int]):
     """Majority-vote predictions for every unit and every ``k`` in ``ks``.
 
-    ``codes``: (n,) int64 target codes (0..L-1); ``idx``: (n, W) neighbour table; ``valid``: (n,)
-    the step's ``valid_i``. Returns ``pred`` (n, len(ks)) int64 (-1 where unused) and ``used``
-    (n, len(ks)) bool (``eff_k_i > 0``).
+    ``codes``: (N,) int64 target codes (0..L-1) of the scope's rows; ``idx``: (n, W) neighbour
+    table of the rows scored (the scope's, or a range of them: the neighbours are scope rows);
+    ``valid``: (n,) the step's ``valid_i``. Returns ``pred`` (n, len(ks)) int64 (-1 where unused)
+    and ``used`` (n, len(ks)) bool (``eff_k_i > 0``).
     """
-    n = codes.shape[0]
-    n_codes = int(codes.max()) + 1 if n else 0
+    n = idx.shape[0]
+    n_codes = int(codes.max()) + 1 if codes.shape[0] else 0
     kv = np.asarray(ks, dtype=np.int64)
     eff = np.minimum(valid[:, None], kv[None, :])
     used = eff > 0

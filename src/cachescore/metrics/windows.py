@@ -42,6 +42,8 @@ __all__ = [
     "valid_counts",
     "type_matrix",
     "ScopeScores",
+    "unit_scores",
+    "pooled_ratio",
     "score_scope",
     "typed_distances",
     "ratio_from_log",
@@ -205,15 +207,20 @@ def _log_cumulative(dist: np.ndarray, types: np.ndarray, tau: float, which: int)
     return np.logaddexp.accumulate(logw, axis=1)
 
 
-def score_scope(table: ScopeTable, valid: np.ndarray, ks: list[int], tau: float | None = None) -> dict[int, ScopeScores]:
-    """Per-unit RI (``tau is None``) or MaRI (``tau > 0``) of one scope for every ``k`` in ``ks``.
+def unit_scores(table: ScopeTable, valid: np.ndarray, ks: list[int], tau: float | None = None, *,
+                offset: int = 0) -> dict[int, ScopeScores]:
+    """Per-unit RI (``tau is None``) or MaRI (``tau > 0``) of rows ``offset .. offset + len(valid)``
+    of a scope for every ``k`` in ``ks``, without the scope's pooled value (``pooled`` is 0.5).
 
-    ``valid`` is the scoring step's ``valid_i`` (:func:`valid_counts` at ``max(ks)``).
-    Evidence is accumulated left to right in ascending distance (a running sum per row), and
-    pooled with numpy's pairwise sum over units in unit order, as the reference does.
+    ``table.idx`` / ``table.dist`` hold those rows only (row ``r`` of the table is scope row
+    ``offset + r``); ``table.scope`` holds the whole scope's codes (neighbours are scope rows).
+    ``valid`` is the scoring step's ``valid_i`` of those rows (:func:`valid_counts` at
+    ``max(ks)``). Every quantity is row-wise, so a row's values do not depend on ``offset`` or on
+    how a scope is cut into ranges (the out-of-core reductions, :mod:`cachescore.metrics.large`,
+    score a scope range by range on the workers).
     """
     scope = table.scope
-    n = scope.n
+    n = int(valid.shape[0])
     nk = len(ks)
     kv = np.asarray(ks, dtype=np.int64)
     so = np.zeros((n, nk))
@@ -225,14 +232,15 @@ def score_scope(table: ScopeTable, valid: np.ndarray, ks: list[int], tau: float 
     step = row_block(table.width)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
-        types = type_matrix(scope.labels, scope.confounders, table.idx[r0:r1], valid[r0:r1], np.arange(r0, r1))
+        types = type_matrix(scope.labels, scope.confounders, table.idx[r0:r1], valid[r0:r1],
+                            np.arange(offset + r0, offset + r1))
         eff = eff_all[r0:r1]
         if tau is None:
             w_so = np.cumsum(types == SO, axis=1, dtype=np.int64)
             w_os = np.cumsum(types == OS, axis=1, dtype=np.int64)
         else:
             with np.errstate(over="ignore", under="ignore"):
-                weights = np.exp(-table.dist[r0:r1] / float(tau))
+                weights = np.exp(-np.asarray(table.dist[r0:r1]) / float(tau))
             w_so = np.cumsum(np.where(types == SO, weights, 0.0), axis=1)
             w_os = np.cumsum(np.where(types == OS, weights, 0.0), axis=1)
         c_ss = np.cumsum(types == SS, axis=1, dtype=np.int64)
@@ -255,10 +263,9 @@ def score_scope(table: ScopeTable, valid: np.ndarray, ks: list[int], tau: float 
         linear = defined & (denom >= TINY)
         values[linear] = s[linear] / denom[linear]
         need_log = defined & ~linear
-        log_rows = None
         if tau is not None and need_log.any():
-            log_rows = _unit_log_evidence(table, valid, k, tau, np.flatnonzero(need_log))
-            values[need_log] = ratio_from_log(*log_rows)
+            values[need_log] = ratio_from_log(*_unit_log_evidence(table, valid, k, tau, np.flatnonzero(need_log),
+                                                                  offset=offset))
         types_out = np.zeros(n, dtype=np.int64)
         undef = ~defined
         has = eff_all[:, j] > 0
@@ -266,21 +273,42 @@ def score_scope(table: ScopeTable, valid: np.ndarray, ks: list[int], tau: float 
         cause = np.where(ss_c > oo_c, 1, np.where(oo_c > ss_c, 2, 3))
         types_out[undef & has] = cause[undef & has]
         types_out[undef & ~has] = 3
-        scores = ScopeScores(k=int(k), values=values, defined=defined, types=types_out, so=s, os=o, pooled=0.5)
-        if defined.any():
-            total_so = float(s.sum())
-            total_os = float(o.sum())
-            if total_so + total_os >= TINY:
-                scores.pooled = total_so / (total_so + total_os)
-            else:
-                scores.log_so, scores.log_os = scope_log_totals(table, valid, k, tau)
-                scores.pooled = float(ratio_from_log(scores.log_so, scores.log_os))
-        out[int(k)] = scores
+        out[int(k)] = ScopeScores(k=int(k), values=values, defined=defined, types=types_out, so=s, os=o, pooled=0.5)
     return out
 
 
-def _unit_log_evidence(table: ScopeTable, valid: np.ndarray, k: int, tau: float | None, rows: np.ndarray):
-    """Per-unit ``(L_SO, L_OS)`` at window ``k`` for ``rows`` (longdouble, each of shape ``rows.shape``).
+def pooled_ratio(total_so: float, total_os: float, any_defined: bool, log_totals) -> tuple[float, object, object]:
+    """A scope's pooled value from its evidence totals (numpy's pairwise sums over its units, in
+    unit order): ``(pooled, log_so, log_os)``. 0.5 when no unit is defined; below :data:`TINY`,
+    ``log_totals()`` gives the log-evidence totals (:func:`scope_log_totals`) and the ratio is
+    taken in log space (the log totals are returned, else None)."""
+    if not any_defined:
+        return 0.5, None, None
+    if total_so + total_os >= TINY:
+        return total_so / (total_so + total_os), None, None
+    log_so, log_os = log_totals()
+    return float(ratio_from_log(log_so, log_os)), log_so, log_os
+
+
+def score_scope(table: ScopeTable, valid: np.ndarray, ks: list[int], tau: float | None = None) -> dict[int, ScopeScores]:
+    """Per-unit RI (``tau is None``) or MaRI (``tau > 0``) of one scope for every ``k`` in ``ks``.
+
+    ``valid`` is the scoring step's ``valid_i`` (:func:`valid_counts` at ``max(ks)``).
+    Evidence is accumulated left to right in ascending distance (a running sum per row), and
+    pooled with numpy's pairwise sum over units in unit order, as the reference does.
+    """
+    out = unit_scores(table, valid, ks, tau)
+    for k, scores in out.items():
+        scores.pooled, scores.log_so, scores.log_os = pooled_ratio(
+            float(scores.so.sum()), float(scores.os.sum()), bool(scores.defined.any()),
+            lambda k=k: scope_log_totals(table, valid, k, tau))
+    return out
+
+
+def _unit_log_evidence(table: ScopeTable, valid: np.ndarray, k: int, tau: float | None, rows: np.ndarray, *,
+                       offset: int = 0):
+    """Per-unit ``(L_SO, L_OS)`` at window ``k`` for ``rows`` (longdouble, each of shape ``rows.shape``);
+    ``rows`` index ``table`` and ``valid``, whose row ``r`` is scope row ``offset + r``.
 
     Works in row blocks of :func:`row_block` ``(width)`` rows, so the longdouble work arrays stay
     bounded whatever ``len(rows)``; each row's value does not depend on the blocking.
@@ -295,15 +323,16 @@ def _unit_log_evidence(table: ScopeTable, valid: np.ndarray, k: int, tau: float 
     step = row_block(table.width)
     for b0 in range(0, rows.shape[0], step):
         sel = rows[b0 : b0 + step]
-        types = type_matrix(scope.labels, scope.confounders, table.idx[sel], valid[sel], sel)
+        types = type_matrix(scope.labels, scope.confounders, table.idx[sel], valid[sel], sel + offset)
         eff = np.minimum(valid[sel], int(k))
-        dist = np.zeros(types.shape) if flat else table.dist[sel]
+        dist = np.zeros(types.shape) if flat else np.asarray(table.dist[sel])
         l_so[b0 : b0 + sel.shape[0]] = _gather(_log_cumulative(dist, types, tau, SO), eff, ninf)
         l_os[b0 : b0 + sel.shape[0]] = _gather(_log_cumulative(dist, types, tau, OS), eff, ninf)
     return l_so, l_os
 
 
-def scope_log_totals(table: ScopeTable, valid: np.ndarray, k: int, tau: float | None):
+def scope_log_totals(table: ScopeTable, valid: np.ndarray, k: int, tau: float | None, *, offset: int = 0,
+                     initial=None):
     """The scope's log-evidence totals at ``k``: ``logaddexp.reduce`` of per-unit ``L`` in unit order.
 
     Returns ``(log_so, log_os)`` as longdouble scalars. The per-unit values are computed in row
@@ -311,12 +340,16 @@ def scope_log_totals(table: ScopeTable, valid: np.ndarray, k: int, tau: float | 
     the same left-to-right sequence of ``logaddexp`` operations as one reduction over all units
     (bit-identical), without (n, W) longdouble arrays. Callers holding a :class:`ScopeScores` whose
     ``log_so``/``log_os`` are set should use those instead (they are these totals).
+
+    ``table`` and ``valid`` may hold rows ``offset .. offset + len(valid)`` of the scope only, and
+    ``initial`` ``(log_so, log_os)`` the fold of the rows before them: the fold then continues
+    over these rows, so a chain of ranges gives the scope's totals bit for bit.
     """
-    n = table.n
-    tot_so = tot_os = None
+    n = int(valid.shape[0])
+    tot_so, tot_os = (None, None) if initial is None else initial
     step = row_block(table.width)
     for r0 in range(0, n, step):
-        l_so, l_os = _unit_log_evidence(table, valid, k, tau, np.arange(r0, min(n, r0 + step)))
+        l_so, l_os = _unit_log_evidence(table, valid, k, tau, np.arange(r0, min(n, r0 + step)), offset=offset)
         if tot_so is None:
             tot_so, tot_os = np.logaddexp.reduce(l_so), np.logaddexp.reduce(l_os)
         else:
@@ -328,17 +361,20 @@ def scope_log_totals(table: ScopeTable, valid: np.ndarray, k: int, tau: float | 
     return tot_so, tot_os
 
 
-def typed_distances(table: ScopeTable, valid: np.ndarray, k: int) -> np.ndarray:
-    """Distances of the SO/OS slots inside each unit's window at ``k``, row-major (spec §6.3)."""
+def typed_distances(table: ScopeTable, valid: np.ndarray, k: int, *, offset: int = 0) -> np.ndarray:
+    """Distances of the SO/OS slots inside each unit's window at ``k``, row-major (spec §6.3);
+    ``table``/``valid`` rows are scope rows ``offset ..`` (as :func:`unit_scores`)."""
     k = int(k)
     scope = table.scope
     eff = np.minimum(valid, k)
     parts = []
     w = min(k, table.width)
     step = row_block(w)
-    for r0 in range(0, scope.n, step):
-        r1 = min(scope.n, r0 + step)
-        types = type_matrix(scope.labels, scope.confounders, table.idx[r0:r1, :w], eff[r0:r1], np.arange(r0, r1))
+    n = int(valid.shape[0])
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        types = type_matrix(scope.labels, scope.confounders, table.idx[r0:r1, :w], eff[r0:r1],
+                            np.arange(offset + r0, offset + r1))
         typed = (types == SO) | (types == OS)
-        parts.append(table.dist[r0:r1, :w][typed])
+        parts.append(np.asarray(table.dist[r0:r1, :w])[typed])
     return np.concatenate(parts) if parts else np.empty(0)

@@ -33,7 +33,8 @@ from .logs import quiet_owned_cluster
 from .outcome import DONE, UnitOutcome
 from .plan import Plan, UnitKind
 from .batch import BatchErrors, ScoreBatch, batch_units, run_batch, stored_by_run
-from .unit import drive_large_unit, run_probe_task, unit_annotation, unit_scratch
+from .large_unit import drive_large_unit
+from .unit import run_probe_task, unit_annotation, unit_scratch
 from .watchdog import Watchdog
 
 __all__ = ["execute_plan", "record_client_failure"]
@@ -71,7 +72,7 @@ def _start(work, client, drivers, *, bundles, run_id, retries, tables=None):
             return client.submit(run_batch, work, run_id, tables, key=_task_key(work, run_id), retries=retries,
                                  pure=False)
     if work.kind is UnitKind.LARGE:
-        return drivers.submit(drive_large_unit, work, client, run_id, retries)
+        return drivers.submit(drive_large_unit, work, client, run_id, retries, tables)
     with dask.annotate(**{ANNOTATION: unit_annotation(work, run_id)}):
         return client.submit(run_probe_task, work, bundles, run_id, key=_task_key(work, run_id), retries=retries,
                              pure=False, priority=10)
@@ -207,7 +208,7 @@ def execute_plan(plan: Plan, client, *, store=None, retries: int = 2, out: TextI
     submitted first with a higher priority (each secedes from its worker's thread pool and fans its
     replicates out as further tasks, so metric units run while sweeps are in flight); ``LARGE``
     units are not tasks: up to ``large_unit_drivers`` of them at a time are driven from this
-    process on threads (:func:`~.unit.drive_large_unit`), and only their bounded search tasks go to
+    process on threads (:func:`~.large_unit.drive_large_unit`), and only their bounded search tasks go to
     the workers. Tasks get ``retries`` retries for exceptions that are not data errors.
     Completions of every kind are gathered in one loop that draws the progress
     (:class:`~cachescore.monitoring.progress.RunProgress`; ``verbose``: a line per unit), tells

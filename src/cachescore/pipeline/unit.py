@@ -9,12 +9,9 @@
 * :func:`write_unit_result` / :func:`record_unit_failure` end a unit in the store (its record and
   per-unit table, or its failure) and return its :class:`~.outcome.UnitOutcome`. The Dask task of
   metric units, which reads their inputs once on the worker, is :func:`~.batch.run_batch`.
-* :func:`drive_large_unit` scores a unit of kind :attr:`~.plan.UnitKind.LARGE` (a
-  scope of at least ``[neighbors] large_scope_rows`` rows) **from the client process**, on a
-  thread of :func:`~.execute.execute_plan`: :func:`score_large_unit` keeps the unit's O(n) state
-  (view, codes, per-unit values, neighbour tables) there and fans its neighbour searches out over
-  the cluster as tasks that read row chunks from the cache (:mod:`cachescore.neighbors.large_scope`), so a worker's
-  memory is bounded by the chunk and piece sizes, whatever the scope's size.
+* A unit of kind :attr:`~.plan.UnitKind.LARGE` (a scope of at least ``[neighbors]
+  large_scope_rows`` rows) is driven from the client process by :mod:`.large_unit`, with every
+  per-row step on the workers.
 
 Failure policy: an exception of a *data* kind (:data:`cachescore.errors.DATA_ERRORS`:
 invalid/corrupt/missing input, a metric refusing the data) is recorded in the store as the unit's
@@ -27,10 +24,8 @@ from __future__ import annotations
 
 import errno
 import os
-import threading
 import time
 import traceback
-from collections import defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -41,13 +36,10 @@ from distributed import worker_client
 
 from .._missing import as_float
 from .._taskkeys import ANNOTATION
-from .._warncapture import captured_warnings
 from ..cache import Cache
 from ..errors import DATA_ERRORS, UnscorableError
-from ..manifest import prepare
 from ..metrics import families
-from ..neighbors.large_scope import ScopeRows, scratch_dir
-from ..neighbors.normalize import compute_dtype
+from ..neighbors.large_scope import scratch_dir
 from ..neighbors.registry import searcher_for
 from ..store import ResultsStore, scratch_path
 from ..store.results import StoreWriteError
@@ -55,7 +47,7 @@ from .outcome import UnitOutcome
 from .plan import params_json
 from .probe_unit import run_probe_unit, write_probe_records
 
-__all__ = ["score_unit", "score_large_unit", "drive_large_unit", "run_probe_task", "unit_scratch",
+__all__ = ["score_unit", "run_probe_task", "unit_scratch",
            "load_unit_inputs", "result_record", "unit_annotation", "write_unit_result", "record_unit_failure"]
 
 
@@ -178,38 +170,6 @@ def score_unit(unit, features: np.ndarray, manifest: pd.DataFrame, *, searcher=N
     return record, per_unit
 
 
-#: One lock per (cache, encoder, tileset): concurrent drivers validate an encoder's embeddings once.
-_VALIDATING: defaultdict = defaultdict(threading.Lock)
-
-
-def score_large_unit(unit, client) -> tuple[dict, pd.DataFrame]:
-    """Score a unit whose scopes are searched out of core (:attr:`~.plan.UnitKind.LARGE`).
-
-    Runs in the driving process (the client's, see :func:`drive_large_unit`): validates the
-    embeddings (streamed shard by shard, once per process and encoder), reads the view, describes
-    each scope's rows (`cachescore.neighbors.large_scope.ScopeRows`) and scores with a
-    `cachescore.neighbors.large_scope.LargeScopeSearch` whose tasks on ``client``'s workers read the
-    embeddings from the cache; no process holds the ``n × d`` matrix. Same return value and errors
-    as :func:`score_unit`.
-    """
-    cache = Cache(unit.cache_root)
-    with _VALIDATING[(str(unit.cache_root), unit.encoder, unit.tileset)]:  # driver threads share one pass
-        meta = cache.validate_embeddings(unit.encoder, unit.tileset)
-    manifest = cache.read_view(unit.view)
-    tile_rows = manifest["row"].to_numpy(dtype=np.int64)
-    prepared = prepare(manifest, confounder_column=unit.confounder_column, evaluation_design=unit.design,
-                       validate_subsets=False)
-    label, rows = f"{unit.encoder}/{unit.view}", cache.row_source(unit.encoder, unit.tileset)
-    scopes = {
-        f"scope-{i:03d}": ScopeRows(embeddings=rows, tile_rows=tile_rows[sc.rows], groups=sc.groups, labels=sc.labels,
-                                    confounders=sc.confounders, source=f"{label} scope {sc.subset!r}", name=sc.subset)
-        for i, sc in enumerate(prepared.scopes) if sc.n >= 2
-    }
-    searcher = searcher_for(unit.params, client=client, scopes=scopes, scratch=unit_scratch(unit))
-    features = np.zeros((len(manifest), 0), dtype=compute_dtype(meta.dtype))
-    return score_unit(unit, features, manifest, searcher=searcher)
-
-
 def unit_scratch(unit) -> Path:
     """The scratch folder of an out-of-core unit's scopes, under its store's scratch folder."""
     return scratch_dir(unit, scratch_path(unit.store_root))
@@ -228,33 +188,6 @@ def load_unit_inputs(unit) -> tuple[np.ndarray, pd.DataFrame]:
     rows = manifest["row"].to_numpy(dtype=np.int64)
     features = cache.load_rows(unit.encoder, unit.tileset, rows)
     return features, manifest
-
-
-def drive_large_unit(unit, client, run_id: str | None = None, retries: int = 0) -> UnitOutcome:
-    """Score a unit planned out of core (:attr:`~.plan.UnitKind.LARGE`) from the calling
-    process, normally the client's (:func:`~.execute.execute_plan` runs several on threads).
-
-    The unit's O(n) state (view frame, scope codes, per-unit values, memory-mapped neighbour tables)
-    lives here; its searches run on ``client``'s workers as tasks that each hold at most one chunk
-    or one target piece (:mod:`cachescore.neighbors.large_scope`), so worker memory does not grow with the scope.
-    Returns the unit's :class:`~.outcome.UnitOutcome` (``worker_pid`` is this process). Never raises:
-    a data error is recorded as the unit's failure at once; any other exception (a lost worker, a
-    cancelled task) is retried ``retries`` times (completed scratch artefacts are reused), then
-    recorded as the failure.
-    """
-    store = ResultsStore(unit.store_root)
-    t0 = time.perf_counter()
-    for attempt in range(retries + 1):
-        try:
-            with captured_warnings() as caught, dask.annotate(**{ANNOTATION: unit_annotation(unit, run_id)}):
-                record, per_unit = score_large_unit(unit, client)
-            break
-        except DATA_ERRORS as exc:
-            return record_unit_failure(store, unit, exc, run_id=run_id, started=t0)
-        except Exception as exc:  # noqa: BLE001 - recorded, the other units go on (a cancelled task too)
-            if attempt == retries:
-                return record_unit_failure(store, unit, exc, run_id=run_id, started=t0)
-    return write_unit_result(store, unit, record, per_unit, started=t0, loaded=t0, caught=caught, run_id=run_id)
 
 
 def write_unit_result(store, unit, record: dict, per_unit, *, started: float, loaded: float, caught, run_id,

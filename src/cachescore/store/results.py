@@ -35,6 +35,7 @@ import io
 import json
 import os
 import re
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -363,7 +364,9 @@ class ResultsStore:
 
         ``record`` is a dict of JSON-able values (numpy scalars/arrays accepted; NaN stored as
         null); the keys of :data:`~cachescore.store.schema.SCORES_SCHEMA` become columns of
-        :meth:`scores`. ``per_unit`` (optional) is stored as Parquet without its index. Rewriting
+        :meth:`scores`. ``per_unit`` (optional) is stored as Parquet without its index; a path
+        names a finished Parquet file (an out-of-core unit's, assembled on a worker), stored as it
+        is, never read whole into memory. Rewriting
         an existing fingerprint replaces it atomically (and the replaced record's per-unit table is
         deleted once unreferenced). A stored failure of ``fp`` is removed.
 
@@ -380,10 +383,13 @@ class ResultsStore:
         finished_at = utc_now()
         record_to_row(body, fingerprint=fp, finished_at=finished_at)  # schema check before publishing
         target = self._unit_json(fp)
-        data = None
-        if per_unit is not None:
+        data = source = None
+        if isinstance(per_unit, (str, Path)):
+            source = Path(per_unit)
+        elif per_unit is not None:
             if not isinstance(per_unit, pd.DataFrame):
-                raise TypeError(f"per_unit must be a pandas DataFrame or None, got {type(per_unit).__name__}")
+                raise TypeError(f"per_unit must be a pandas DataFrame, a Parquet file's path or None, "
+                                f"got {type(per_unit).__name__}")
             buf = io.BytesIO()
             pq.write_table(pa.Table.from_pandas(per_unit, preserve_index=False), buf)
             data = buf.getvalue()
@@ -397,6 +403,10 @@ class ResultsStore:
                 atomic_write(written, lambda fh: fh.write(data), overwrite=False)
                 pointer = {"file": name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
                            "rows": len(per_unit)}
+            elif source is not None:
+                name = f".{fp}.{uuid.uuid4().hex}.parquet"
+                written = target.parent / name
+                pointer = self._take_table(source, written)
             envelope = {"version": RECORD_VERSION, "fingerprint": fp, "finished_at": finished_at,
                         "record": body, "per_unit": pointer}
             written = target
@@ -411,6 +421,28 @@ class ResultsStore:
             self._failure_json(fp).unlink()
         except FileNotFoundError:
             pass
+
+    @staticmethod
+    def _take_table(source: Path, dest: Path) -> dict:
+        """Move (or, across file systems, copy) the finished Parquet file ``source`` to ``dest``
+        (a new name in the store) and return its per-unit pointer; read in 1 MiB blocks, so a
+        table of any size costs no memory. Raises ``ValueError`` for a file that is not Parquet."""
+        rows = pq.ParquetFile(source).metadata.num_rows
+        h = hashlib.sha256()
+        size = 0
+        with open(source, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+                size += len(block)
+        try:
+            os.link(source, dest)  # same file system: no copy; the scratch name goes with the scratch
+        except OSError:
+            def copy(out):
+                with open(source, "rb") as src:
+                    shutil.copyfileobj(src, out, 1 << 20)
+
+            atomic_write(dest, copy, overwrite=False)
+        return {"file": dest.name, "sha256": h.hexdigest(), "bytes": size, "rows": int(rows)}
 
     def record_failure(self, fp: str, *, unit: dict, error: str) -> None:
         """Record that unit ``fp`` failed with ``error``; a later :meth:`write_unit` supersedes it.

@@ -1,5 +1,5 @@
-"""The driver of the out-of-core engine (:class:`LargeScopeSearch`): runs in the client process,
-holds a unit's O(n) state and submits the bounded tasks of :mod:`.tasks`."""
+"""The driver of the out-of-core engine (:class:`LargeScopeSearch`): runs in the client process and
+submits the bounded tasks of :mod:`.tasks`; it holds O(chunks × clusters) state, nothing per row."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import numpy as np
 from distributed import Lock
 
 from ..._taskkeys import task_key
-from ..._atomic import atomic_write, atomic_write_json, partial_path
+from ..._atomic import atomic_write_json
 from ..base import scope_aware
 from ..blocked import gather_or_cancel
 from ..fetch import is_capped
@@ -36,51 +36,50 @@ from . import (
 )
 from .files import (
     Layout,
-    ScopeFiles,
-    ScopeRows,
+    ScopeRef,
     atomic_save_npz,
+    cluster_name,
+    create_table,
     load_npz,
     meta_name,
     npy_header,
-    read_row_runs,
 )
-from .tasks import brute_task, chunk_task, sample_task, search_task
+from .tasks import brute_task, chunk_task, position_task, sample_task, search_task
 
 
 @dataclass(frozen=True)
 class Partition:
-    """The driver's view of a built partition: the tasks' :class:`Layout` plus the O(n) index
-    (file-order positions, every row's cluster and codes) that only the driver holds."""
+    """The driver's view of a built partition: the tasks' :class:`Layout`, the chunk length
+    ``step`` (chunk ``j`` holds scope rows ``j * step .. (j + 1) * step``), each chunk's cluster-id
+    file (scope order) and the rows per (cell, cluster). O(chunks × clusters × cells), nothing per
+    row: the driver reads the few rows it needs (calibration samples) from the files."""
 
     layout: Layout
-    order_pos: np.ndarray  # (n,) int64: scope positions in (chunk, file row) order
-    chunk_start: np.ndarray  # (J+1,) int64: chunk j's first entry in order_pos
-    cluster: np.ndarray  # (n,) int32 by scope position
-    codes: np.ndarray  # (3, n) int64: groups, labels, confounders by scope position
+    step: int
+    cluster_paths: tuple
+    cell_sizes: np.ndarray  # (cells, C) int64, cell = label * n_conf + confounder
+    n: int
 
-    @property
-    def n(self) -> int:
-        return int(self.order_pos.size)
-
-    def read_positions(self, positions) -> np.ndarray:
-        """Vectors of the given scope positions (small samples), in the given order."""
-        lay = self.layout
+    def clusters_at(self, positions) -> np.ndarray:
+        """Cluster ids of the scope ``positions`` (a bounded sample), int64."""
         positions = np.asarray(positions, dtype=np.int64)
-        where = np.empty(self.n, dtype=np.int64)
-        where[self.order_pos] = np.arange(self.n)
-        at = where[positions]
-        out = np.empty((positions.size, lay.dim), dtype=np.dtype(lay.dtype))
-        chunk = np.searchsorted(self.chunk_start, at, side="right") - 1
-        for j in np.unique(chunk):
+        out = np.empty(positions.size, dtype=np.int64)
+        chunk = positions // self.step
+        for j in np.unique(chunk).tolist():
             sel = np.flatnonzero(chunk == j)
-            local = at[sel] - self.chunk_start[j]
-            srt = np.argsort(local)
-            runs = [(int(r), int(r) + 1) for r in local[srt]]
-            out[sel[srt]] = read_row_runs(lay.paths[j], runs, lay.dim, np.dtype(lay.dtype), lay.header[j])
+            mm = np.load(self.cluster_paths[j], mmap_mode="r")
+            out[sel] = mm[positions[sel] - j * self.step]
+            del mm
         return out
 
 
 # ----------------------------------------------------------------------------- driver
+
+
+def _filling(folder: Path, kind: str, what: str) -> Path:
+    """A table while its search tasks fill it (renamed to ``<kind>_<what>.npy`` once the recall
+    is met; the folder is the artefact's own, under its lock, and emptied before a search)."""
+    return folder / f".{kind}_{what}.npy.filling"
 
 
 class LargeScopeSearch:
@@ -91,9 +90,11 @@ class LargeScopeSearch:
     client : distributed.Client
         The run's client (the unit is driven from the client process).
     scopes : dict
-        ``{key: ScopeRows}`` for each scope the metric will ask for, in the metric's scope order;
-        a call names its scope by the ``scope=`` reference the metrics pass (:attr:`ScopeRows.name`;
-        see :meth:`_scope_for`).
+        ``{key: ScopeRef or ScopeRows}`` for each scope the metric will ask for, in the metric's
+        scope order; a call names its scope by the ``scope=`` reference the metrics pass
+        (``name``; see :meth:`_scope_for`). A :class:`ScopeRows` (arrays in memory, the API's
+        form) is written to the scratch folder on first use; the pipeline passes
+        :class:`ScopeRef` objects whose ``rows.npy`` a worker wrote, so the driver holds nothing per row.
     scratch : path
         This unit's scratch folder for the scope artefacts (see module docstring).
     exact : bool
@@ -105,8 +106,10 @@ class LargeScopeSearch:
     ``search.typed(u, labels, confounders, groups, m, scope=name) -> (so_dist, os_dist)`` honour
     the exact engines' contracts (``u`` is ignored: rows come from the cache; both are
     :func:`~cachescore.neighbors.base.scope_aware`, so the metrics pass the scope's name); tables
-    are memory-mapped. Built by :func:`cachescore.neighbors.registry.searcher_for`.
-    :attr:`recall` is the worst measured recall of all calls, :attr:`details` one dict per call.
+    are memory-mapped. :meth:`table_files` gives the same tables as files, for reductions that
+    run on the workers (:mod:`cachescore.metrics.large`). Built by
+    :func:`cachescore.neighbors.registry.searcher_for`. :attr:`recall` is the worst measured
+    recall of all calls, :attr:`details` one dict per call.
     """
 
     def __init__(self, client, scopes: dict, scratch, *, exact=False, recall_target=0.99, n_recall_queries=1000,
@@ -125,28 +128,35 @@ class LargeScopeSearch:
     # -- the metric-facing callables ------------------------------------------------------------
     @scope_aware
     def cross(self, u, groups, kmax, *, scope=None):
-        key, rows = self._scope_for(scope, groups)
-        if is_capped(int(kmax), rows.n, int(np.bincount(rows.groups).max())):
-            # the cap rule needs every row's farthest scope row (windows.ScopeTable.far_is_cross),
-            # which this engine does not compute: such a scope is tiny, score it in memory instead
-            raise ValueError(
-                f"{rows.source}: {rows.n} rows are within the reference's fetch cap for k = {int(kmax)} "
-                "(n <= k + max(64, largest group) + 1), which the out-of-core engine does not reproduce; raise "
-                "[neighbors] large_scope_rows above this view's scope sizes or use smaller k candidates")
-        t = self._tables(key, rows, ("cross",), int(kmax))
+        key = self._scope_for(scope, groups)
+        t = self._tables(key, ("cross",), int(kmax))
         return t["cross_idx"], t["cross_dist"]
 
     @scope_aware
     def typed(self, u, labels, confounders, groups, m, *, scope=None):
-        key, rows = self._scope_for(scope, groups)
-        t = self._tables(key, rows, ("so", "os"), int(m))
+        key = self._scope_for(scope, groups)
+        t = self._tables(key, ("so", "os"), int(m))
         return t["so_dist"], t["os_dist"]
 
+    def table_files(self, scope, kinds: tuple, k: int) -> dict:
+        """The scope's tables of ``kinds`` at ``k`` as files (searched on first use):
+        ``{f"{kind}_{idx|dist}": path}`` of ``(n, k)`` ``.npy`` tables in scope order (int64 /
+        float64, ``-1`` / ``+inf`` padded). Raises as :meth:`cross`."""
+        key = self._scope_for(scope, None)
+        if "cross" in kinds:
+            self._check_cap(key, int(k))
+        folder = self._ensure(key, tuple(kinds), int(k))
+        return {f"{kind}_{what}": str(folder / f"{kind}_{what}.npy") for kind in kinds for what in ("idx", "dist")}
+
+    def ref(self, scope) -> ScopeRef:
+        """The :class:`ScopeRef` of the scope a metric names (``name``; None: the only one)."""
+        return self._ref(self._scope_for(scope, None))
+
     def _scope_for(self, scope, groups):
-        """``(key, rows)`` of the scope a metric's call names (``scope``: its
-        :attr:`ScopeRows.name`; None is the only scope of a one-scope engine). Raises
-        ``LookupError`` for a name it does not hold (or None with several scopes) and
-        ``ValueError`` when the call's ``groups`` do not have the scope's row count."""
+        """The key of the scope a metric's call names (``scope``: its ``name``; None is the
+        only scope of a one-scope engine). Raises ``LookupError`` for a name it does not hold
+        (or None with several scopes) and ``ValueError`` when the call's ``groups`` (unless None)
+        do not have the scope's row count."""
         if scope is None and len(self.scopes) == 1:
             key = next(iter(self.scopes))
         elif scope is not None and scope in self._by_name:
@@ -155,85 +165,104 @@ class LargeScopeSearch:
             raise LookupError(f"no large scope named {scope!r} (holds: {sorted(map(str, self._by_name))}); "
                               "the metrics name each scope they search (scope=)")
         rows = self.scopes[key]
-        if np.asarray(groups).size != rows.n:
+        if groups is not None and np.asarray(groups).size != rows.n:
             raise ValueError(f"{rows.source}: the call passes {np.asarray(groups).size} rows' codes, the scope has {rows.n}")
-        return key, rows
+        return key
+
+    def _check_cap(self, key, kmax: int) -> None:
+        ref = self._ref(key)
+        if is_capped(int(kmax), ref.n, ref.max_group):
+            # the cap rule needs every row's farthest scope row (windows.ScopeTable.far_is_cross),
+            # which this engine does not compute: such a scope is tiny, score it in memory instead
+            raise ValueError(
+                f"{ref.source}: {ref.n} rows are within the reference's fetch cap for k = {int(kmax)} "
+                "(n <= k + max(64, largest group) + 1), which the out-of-core engine does not reproduce; raise "
+                "[neighbors] large_scope_rows above this view's scope sizes or use smaller k candidates")
+
+    def _ref(self, key) -> ScopeRef:
+        rows = self.scopes[key]
+        if isinstance(rows, ScopeRef):
+            return rows
+        folder = self.scratch / str(key)
+        with self._lock(f"{key}-rows"):
+            ref = rows.write(folder)
+        self.scopes[key] = ref
+        return ref
 
     # -- artefacts --------------------------------------------------------------------------------
     def _lock(self, name):
         return Lock(f"cachescore-large-{self.scratch}-{name}", scheduler_rpc=self.client.scheduler, loop=self.client.loop)
 
-    def _partition(self, key, rows: ScopeRows) -> Partition:
+    def _partition(self, key) -> Partition:
+        ref = self._ref(key)
         folder = self.scratch / str(key) / "partition"
         with self._lock(f"{key}-partition"):
             if not (folder / "done.json").is_file():
-                self._build_partition(folder, rows)
+                self._build_partition(folder, ref)
         meta = json.loads((folder / "done.json").read_text())
         z = load_npz(folder / "layout.npz")
         paths = tuple(str(folder / f) for f in meta["files"])
         meta_paths = tuple(str(folder / meta_name(f)) for f in meta["files"])
-        cluster = np.empty(rows.n, dtype=np.int32)
-        for j in range(len(paths)):
-            s, e = z["chunk_start"][j], z["chunk_start"][j + 1]
-            b = z["bounds"][j]
-            cluster[z["order_pos"][s:e]] = np.repeat(np.arange(b.size - 1, dtype=np.int32), np.diff(b))
-        codes = np.stack([np.asarray(a, dtype=np.int64) for a in (rows.groups, rows.labels, rows.confounders)])
         layout = Layout(paths=paths, meta_paths=meta_paths, header=tuple(npy_header(p)[0] for p in paths),
                          meta_header=tuple(npy_header(p)[0] for p in meta_paths), dim=int(meta["dim"]),
-                         dtype=meta["dtype"], bounds=z["bounds"], n_conf=int(codes[2].max()) + 1 if rows.n else 1)
-        return Partition(layout=layout, order_pos=z["order_pos"], chunk_start=z["chunk_start"], cluster=cluster,
-                          codes=codes)
+                         dtype=meta["dtype"], bounds=z["bounds"], n_conf=ref.n_conf)
+        return Partition(layout=layout, step=int(meta["step"]), n=ref.n, cell_sizes=z["cell_sizes"],
+                         cluster_paths=tuple(str(folder / cluster_name(f)) for f in meta["files"]))
 
-    def _build_partition(self, folder: Path, rows: ScopeRows) -> None:
+    def _build_partition(self, folder: Path, ref: ScopeRef) -> None:
         t0 = time.perf_counter()
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
-        meta = rows.embeddings.meta()
-        n, dim = rows.n, int(meta.dim)
-        index = np.stack([rows.tile_rows, rows.groups, rows.labels, rows.confounders], axis=1).astype(np.int64)
-        atomic_write(folder / "rows.npy", lambda fh: np.save(fh, index))
-        del index
-        files = ScopeFiles(embeddings=rows.embeddings, source=rows.source, rows_path=str(folder / "rows.npy"))
+        meta = ref.embeddings.meta()
+        n, dim = ref.n, int(meta.dim)
+        files = ref.files()
         c = max(1, math.ceil(n / tunables.ROWS_PER_CLUSTER))
         rng = np.random.default_rng([self.seed, 17])
         sample = np.sort(rng.choice(n, size=min(n, tunables.KMEANS_MAX_SAMPLE, max(tunables.KMEANS_MIN_SAMPLE, 48 * c)), replace=False))
-        x = self.client.submit(sample_task, files, sample, rows.tile_rows[sample], pure=False,
-                               key=task_key("partition", "sample")).result()
+        x = self.client.submit(sample_task, files, sample, pure=False, key=task_key("partition", "sample")).result()
         centroids = spherical_kmeans(x, c, random_state=rng)
         del x
         step = max(1, tunables.CHUNK_BYTES // (dim * 4))
         bounds = list(range(0, n, step))
         cent_f = self.client.scatter(centroids, broadcast=True, hash=False)
         names = [f"chunk-{j:05d}.npy" for j in range(len(bounds))]
+        n_cells = ref.n_labels * ref.n_conf
         futures = [self.client.submit(chunk_task, files, s, min(n, s + step), cent_f, str(folder / f),
-                                      str(folder / meta_name(f)), pure=False, key=task_key("partition", f[:-4]))
+                                      str(folder / meta_name(f)), str(folder / cluster_name(f)), ref.n_conf, n_cells,
+                                      pure=False, key=task_key("partition", f[:-4]))
                    for s, f in zip(bounds, names)]
         parts = gather_or_cancel(self.client, futures)
-        order_pos = np.concatenate([p[0] for p in parts])
-        chunk_start = np.concatenate([[0], np.cumsum([p[0].size for p in parts])]).astype(np.int64)
-        atomic_save_npz(folder / "layout.npz", order_pos=order_pos, chunk_start=chunk_start,
-                         bounds=np.stack([p[1] for p in parts]), centroids=centroids)
+        cell_sizes = np.zeros((n_cells, c), dtype=np.int64)
+        for _, counts in parts:
+            cell_sizes += counts
+        atomic_save_npz(folder / "layout.npz", bounds=np.stack([p[0] for p in parts]), cell_sizes=cell_sizes,
+                        centroids=centroids)
         atomic_write_json(folder / "done.json", {"files": names, "dim": dim, "dtype": compute_dtype(meta.dtype).name,
-                                                 "n": n, "clusters": int(c),
+                                                 "n": n, "clusters": int(c), "step": int(step),
                                                  "seconds": round(time.perf_counter() - t0, 3)})
 
-    def _tables(self, key, rows: ScopeRows, kinds: tuple, k: int) -> dict:
+    def _ensure(self, key, kinds: tuple, k: int) -> Path:
+        """The folder of the scope's complete tables of ``kinds`` at ``k`` (searched if absent);
+        appends the call's details to :attr:`details`."""
         name = f"{'-'.join(kinds)}-{k}-{'exact' if self.exact else f'ann{self.target:g}-{self.n_recall_queries}'}"
         folder = self.scratch / str(key) / name
         with self._lock(f"{key}-{name}"):
             if not (folder / "done.json").is_file():
-                self._search(folder, self._partition(key, rows), kinds, k)
+                self._search(folder, self._partition(key), self._ref(key), kinds, k)
         info = json.loads((folder / "done.json").read_text())
         part = json.loads((self.scratch / str(key) / "partition" / "done.json").read_text())
         self.details.append(dict(info, scope=str(key), kinds=list(kinds), k=k,
                                  seconds_partition=part["seconds"], n_chunks=len(part["files"])))
-        out = {}
-        for kind in kinds:
-            for what in ("idx", "dist"):
-                out[f"{kind}_{what}"] = np.load(folder / f"{kind}_{what}.npy", mmap_mode="r")
-        return out
+        return folder
 
-    def _search(self, folder: Path, part: Partition, kinds: tuple, k: int) -> None:
+    def _tables(self, key, kinds: tuple, k: int) -> dict:
+        if "cross" in kinds:
+            self._check_cap(key, k)
+        folder = self._ensure(key, kinds, k)
+        return {f"{kind}_{what}": np.load(folder / f"{kind}_{what}.npy", mmap_mode="r")
+                for kind in kinds for what in ("idx", "dist")}
+
+    def _search(self, folder: Path, part: Partition, ref: ScopeRef, kinds: tuple, k: int) -> None:
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
         layout = part.layout
@@ -244,12 +273,12 @@ class LargeScopeSearch:
         pools = self._pools(part, kinds)
         layout_f = self.client.scatter(layout, broadcast=True, hash=False)
         tol = distance_tol(np.dtype(layout.dtype), layout.dim)
-        floor = k + int(np.bincount(part.codes[0]).max())  # >= k other-group candidates per query
+        floor = k + ref.max_group  # >= k other-group candidates per query
         t0 = time.perf_counter()
         if self.exact:
             ladder, truth, audit = (ProbeRule(float("inf"), floor),), None, None
         else:
-            ladder, truth, audit = self._calibrate(part, layout_f, kinds, k, geometry, pools, floor, tol)
+            ladder, truth, audit = self._calibrate(part, layout_f, kinds, k, geometry, pools, floor, tol, ref)
         t_cal = time.perf_counter() - t0
         rounds = 0
         while True:
@@ -260,8 +289,10 @@ class LargeScopeSearch:
             else:
                 hits = total = 0
                 for kind in kinds:
-                    found = np.load(folder / f"{kind}_dist.npy", mmap_mode="r")[audit]
-                    h, t = recall_counts(np.asarray(found), truth[kind][1], tol)
+                    mm = np.load(_filling(folder, kind, "dist"), mmap_mode="r")
+                    found = np.array(mm[audit])
+                    del mm
+                    h, t = recall_counts(found, truth[kind][1], tol)
                     hits, total = hits + h, total + t
                 recall, n_audit = (1.0 if total == 0 else hits / total), int(audit.size)
             if recall >= self.target or rule.exact:
@@ -272,6 +303,9 @@ class LargeScopeSearch:
                                                      f"n={n}, probe radius {rule.radius:.4g} with at least "
                                                      f"{rule.min_rows} rows, probe fraction {frac:.4g}")
             rounds += 1
+        for kind in kinds:
+            for what in ("idx", "dist"):
+                os.replace(_filling(folder, kind, what), folder / f"{kind}_{what}.npy")
         atomic_write_json(folder / "done.json", {"recall": float(recall), "n_recall_queries": n_audit, "rounds": rounds,
                                             "probe_fraction": float(frac),
                                             # null when not finite: -inf (own clusters + floor) or exact
@@ -295,9 +329,8 @@ class LargeScopeSearch:
         if "cross" in kinds:
             return {"cross": (sizes, sizes)}
         nc = layout.n_conf
-        cell = part.codes[1] * nc + part.codes[2]
-        present = np.unique(cell)
-        cell_sizes = {int(t): np.bincount(part.cluster[cell == t], minlength=c) for t in present}
+        present = np.flatnonzero(part.cell_sizes.sum(axis=1) > 0)
+        cell_sizes = {int(t): part.cell_sizes[t] for t in present}
         pools = {}
         for t, sz in cell_sizes.items():
             tl, tc = divmod(t, nc)
@@ -308,48 +341,56 @@ class LargeScopeSearch:
             pools[t] = (users, sz)
         return pools
 
-    def _calibrate(self, part: Partition, layout_f, kinds, k, geometry, pools, floor, tol):
+    def _calibrate(self, part: Partition, layout_f, kinds, k, geometry, pools, floor, tol, ref: ScopeRef):
         """Exact answers for the calibration and audit samples (one brute task per chunk, both
         samples in one pass), and the probe rules to try (:func:`probe_ladder`). Returns
-        ``(rules, audit truth per kind, audit positions)``."""
+        ``(rules, audit truth per kind, audit positions)``. The samples' vectors are read by a
+        task and handed to the brute tasks on the cluster; the driver reads only the samples' and
+        their neighbours' codes and clusters."""
         n = part.n
         rng_a = np.random.default_rng([self.seed, 1])
         rng_c = np.random.default_rng([self.seed, 2])
         audit = np.sort(rng_a.choice(n, size=min(n, self.n_recall_queries), replace=False))
         calib = np.sort(rng_c.choice(n, size=min(n, max(tunables.CALIBRATION_QUERIES, 2 * self.n_recall_queries)), replace=False))
         qpos = np.concatenate([calib, audit])
-        qv = part.read_positions(qpos)
-        qv_f = self.client.scatter(qv, hash=False, broadcast=True)
-        q_codes = np.ascontiguousarray(part.codes[:, qpos].T)
+        qv_f = self.client.submit(position_task, layout_f, part.step, qpos, pure=False,
+                                  key=task_key("calibrate", "queries"))
+        q_codes = np.ascontiguousarray(ref.codes_at(qpos)[:, 1:])
         futures = [self.client.submit(brute_task, layout_f, j, qv_f, q_codes, kinds, k, pure=False,
                                       key=task_key("calibrate", f"chunk{j:05d}"))
                    for j in range(len(part.layout.paths))]
         merged = None
         for found in gather_or_cancel(self.client, futures):
             merged = found if merged is None else {kd: merge_tables(merged[kd], found[kd], k) for kd in kinds}
+        del qv_f
         nc = calib.size
         truth = {kd: (merged[kd][0][nc:], merged[kd][1][nc:]) for kd in kinds}
-        qa = part.cluster[calib]
+        qa = part.clusters_at(calib)
         found_in = {pool: ([], []) for pool in pools}  # pool -> (query clusters, neighbour clusters)
-        cell = part.codes[1] * part.layout.n_conf + part.codes[2]
         for kd in kinds:
             ti, td = merged[kd][0][:nc], merged[kd][1][:nc]
             r, j = np.nonzero((ti >= 0) & np.isfinite(td))
             nb = ti[r, j]
-            pool_of = np.zeros(nb.size, np.int64) if "cross" in pools else cell[nb]
+            if "cross" in pools:
+                pool_of = np.zeros(nb.size, np.int64)
+            else:
+                nb_codes = ref.codes_at(nb)
+                pool_of = nb_codes[:, 2] * part.layout.n_conf + nb_codes[:, 3]
+            nb_cluster = part.clusters_at(nb)
             for pool in pools:
                 sel = np.ones(nb.size, bool) if pool == "cross" else pool_of == pool
                 found_in[pool][0].append(qa[r[sel]])
-                found_in[pool][1].append(part.cluster[nb[sel]])
+                found_in[pool][1].append(nb_cluster[sel])
         calib_pools = [(w, sz, np.concatenate(found_in[pool][0]), np.concatenate(found_in[pool][1]))
                        for pool, (w, sz) in pools.items()]
         want = min(1.0, self.target + 0.5 * (1.0 - self.target))
         return probe_ladder(geometry, calib_pools, want, floor), truth, audit
 
     def _run_search(self, folder, n, layout_f, kinds, k, geometry, sizes, pools, rule) -> tuple[float, dict]:
-        """One search under ``rule`` in every pool; writes the tables. Returns the probe fraction
-        (the (query, target) pairs the search computed over those an exact search computes) and
-        ``{"search_pairs", "search_task_seconds"}`` (the tasks' wall time, summed)."""
+        """One search under ``rule`` in every pool; the tasks write the tables (under their
+        partial names, renamed by :meth:`_search` once the recall is met). Returns the probe
+        fraction (the (query, target) pairs the search computed over those an exact search
+        computes) and ``{"search_pairs", "search_task_seconds"}`` (the tasks' wall time, summed)."""
         plans, pairs = {}, 0
         for a in probe_chain(geometry.dist):
             if sizes[a] == 0:
@@ -368,34 +409,17 @@ class LargeScopeSearch:
             cur_rows += int(sizes[a])
         if cur:
             batches.append(cur)
-        parts_dir = folder / "parts"
-        shutil.rmtree(parts_dir, ignore_errors=True)
-        parts_dir.mkdir()
-        futures = []
-        for i, b in enumerate(batches):
-            futures.append(self.client.submit(search_task, layout_f, b, kinds, k, str(parts_dir / f"part-{i:05d}.npz"),
-                                              pure=False, key=task_key("search", f"batch{i:05d}")))
+        tables = {}
+        for kind in kinds:
+            for what, dt in (("idx", np.int64), ("dist", np.float64)):
+                path = _filling(folder, kind, what)
+                tables[(kind, what)] = (str(path), create_table(path, dt, (n, k)))
+        futures = [self.client.submit(search_task, layout_f, b, kinds, k, tables, pure=False,
+                                      key=task_key("search", f"batch{i:05d}"))
+                   for i, b in enumerate(batches)]
         done = gather_or_cancel(self.client, futures)
         covered = sum(q for q, _ in done)
         if covered != n:
             raise RuntimeError(f"large-scope search covered {covered} of {n} rows")
         stats = {"search_pairs": int(pairs), "search_task_seconds": round(sum(t for _, t in done), 3)}
-        tables = {}
-        for kind in kinds:
-            for what, dt in (("idx", np.int64), ("dist", np.float64)):
-                tables[(kind, what)] = np.lib.format.open_memmap(partial_path(folder / f"{kind}_{what}.npy"),
-                                                                 mode="w+", dtype=dt, shape=(n, k))
-        for i in range(len(batches)):
-            part = load_npz(parts_dir / f"part-{i:05d}.npz")
-            for kind in kinds:
-                tables[(kind, "idx")][part["pos"]] = part[f"{kind}_idx"]
-                tables[(kind, "dist")][part["pos"]] = part[f"{kind}_dist"]
-        for (kind, what), mm in tables.items():
-            mm.flush()
-            os.replace(mm.filename, folder / f"{kind}_{what}.npy")
-        del tables, mm
-        shutil.rmtree(parts_dir, ignore_errors=True)
         return (pairs / exact_pairs if exact_pairs else 1.0), stats
-
-
-

@@ -3,6 +3,8 @@ and their readers (:class:`Layout`), the scope's row table (:class:`ScopeRows`, 
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,7 +13,7 @@ import numpy as np
 
 from ...cache import RowSource
 from ...fingerprint import fingerprint
-from ..._atomic import atomic_write
+from ..._atomic import atomic_write, atomic_write_json
 
 #: Embedding bytes per partition chunk (DESIGN §2: row chunks of ~64–256 MiB).
 CHUNK_BYTES = 128 * 2**20
@@ -28,7 +30,7 @@ PIECE_ROWS = 65536
 #: Calibration queries (their exact answers pick the probe radius).
 CALIBRATION_QUERIES = 2000
 #: Version of the scratch layout and of this engine (enters the scratch key).
-ENGINE_VERSION = 2  # 2: probe radius (was: probe fraction)
+ENGINE_VERSION = 3  # 3: tables written by the search tasks, cluster files; 2: probe radius
 
 
 def scratch_root(scratch) -> Path:
@@ -60,6 +62,12 @@ def remove_scratch(folders) -> None:
 def meta_name(chunk_file: str) -> str:
     """The metadata file of a chunk's vector file (``chunk-00000.npy`` -> ``chunk-00000.meta.npy``)."""
     return chunk_file[: -len(".npy")] + ".meta.npy"
+
+
+def cluster_name(chunk_file: str) -> str:
+    """The cluster-id file of a chunk (``chunk-00000.npy`` -> ``chunk-00000.cluster.npy``): the
+    chunk's rows' clusters in scope order."""
+    return chunk_file[: -len(".npy")] + ".cluster.npy"
 
 
 def atomic_save_npz(path: Path, **arrays) -> None:
@@ -109,6 +117,49 @@ def read_row_runs(path: str, runs, dim: int, dtype: np.dtype, offset: int, out: 
     return out
 
 
+def write_rows(path: str, offset: int, positions: np.ndarray, values: np.ndarray) -> None:
+    """Write ``values[i]`` as row ``positions[i]`` of the C-ordered 2-D ``.npy`` at ``path`` (data
+    at byte ``offset``, rows of ``values.shape[1]`` items of ``values.dtype``), in place.
+
+    Positional writes (``pwrite``) of each run of consecutive rows, not a memory map: tasks on
+    several hosts write disjoint rows of one table on a shared file system, and only the bytes
+    of their own rows are written.
+    """
+    positions = np.asarray(positions, dtype=np.int64)
+    if positions.size == 0:
+        return
+    order = np.argsort(positions, kind="stable")
+    pos = positions[order]
+    data = np.ascontiguousarray(values[order])
+    row_bytes = data.shape[1] * data.dtype.itemsize
+    cuts = np.flatnonzero(np.diff(pos) != 1) + 1
+    starts = np.concatenate([[0], cuts])
+    stops = np.concatenate([cuts, [pos.size]])
+    raw = memoryview(data).cast("B")
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        for a, b in zip(starts.tolist(), stops.tolist()):
+            chunk = raw[a * row_bytes : b * row_bytes]
+            at = offset + int(pos[a]) * row_bytes
+            while chunk.nbytes:
+                done = os.pwrite(fd, chunk, at)
+                chunk, at = chunk[done:], at + done
+    finally:
+        os.close(fd)
+
+
+def create_table(path: Path, dtype, shape: tuple) -> int:
+    """Create an ``.npy`` of ``shape`` and ``dtype`` whose data is not written (a sparse file, no
+    memory touched); returns the byte offset of its data (for :func:`write_rows`)."""
+    header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False,
+              "shape": tuple(int(x) for x in shape)}
+    with open(path, "wb") as fh:
+        np.lib.format.write_array_header_2_0(fh, header)
+        offset = fh.tell()
+        fh.truncate(offset + int(np.prod(shape)) * np.dtype(dtype).itemsize)
+    return offset
+
+
 # ----------------------------------------------------------------------------- scope description
 
 
@@ -138,6 +189,89 @@ class ScopeRows:
     def n(self) -> int:
         return int(self.tile_rows.size)
 
+    def write(self, folder: Path) -> "ScopeRef":
+        """Write this scope's ``rows.npy`` into ``folder`` (atomically) and return its
+        :class:`ScopeRef`: how the API's in-memory scope descriptions enter the engine."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        index = np.stack([self.tile_rows, self.groups, self.labels, self.confounders], axis=1).astype(np.int64)
+        return write_scope(folder, index, None, embeddings=self.embeddings, source=self.source, name=self.name)
+
+
+def write_scope(folder: Path, index: np.ndarray, sources: np.ndarray | None, *, embeddings: RowSource, source: str,
+                name: str | None) -> "ScopeRef":
+    """Write a scope's ``rows.npy`` (``index``: (n, 4) int64, :data:`INDEX_COLUMNS`) and, when
+    given, ``sources.npy`` (the view row of each scope row) into ``folder``; returns its
+    :class:`ScopeRef` (summary counts read off ``index``)."""
+    folder = Path(folder)
+    atomic_write(folder / "rows.npy", lambda fh: np.save(fh, np.ascontiguousarray(index, dtype=np.int64)))
+    if sources is not None:
+        atomic_write(folder / "sources.npy", lambda fh: np.save(fh, np.asarray(sources, dtype=np.int64)))
+    n = int(index.shape[0])
+    sizes = np.bincount(index[:, 1]) if n else np.zeros(0, np.int64)
+    return ScopeRef(embeddings=embeddings, rows_path=str(folder / "rows.npy"), n=n,
+                    max_group=int(sizes.max()) if n else 0, min_group=int(sizes[sizes > 0].min()) if n else 0,
+                    n_labels=int(index[:, 2].max()) + 1 if n else 1,
+                    n_conf=int(index[:, 3].max()) + 1 if n else 1, source=source, name=name,
+                    sources_path=str(folder / "sources.npy") if sources is not None else None)
+
+
+@dataclass(frozen=True)
+class ScopeRef:
+    """A scope whose rows are described on disk (O(1) in memory, picklable): ``rows.npy`` ((n, 4)
+    int64, :data:`INDEX_COLUMNS`, scope order) and optionally ``sources.npy`` ((n,) int64, the
+    view row of each scope row), with the counts the driver needs: ``n``, ``max_group`` /
+    ``min_group`` (rows of the largest / smallest group), ``n_labels`` / ``n_conf`` (label and confounder codes are ``0 ..
+    n - 1``). ``embeddings``, ``source`` and ``name`` as :class:`ScopeRows`."""
+
+    embeddings: RowSource
+    rows_path: str
+    n: int
+    max_group: int
+    min_group: int
+    n_labels: int
+    n_conf: int
+    source: str
+    name: str | None = None
+    sources_path: str | None = None
+
+    def files(self) -> "ScopeFiles":
+        return ScopeFiles(embeddings=self.embeddings, source=self.source, rows_path=self.rows_path)
+
+    def column(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Column ``name`` of :data:`INDEX_COLUMNS` for scope rows ``start:stop`` (a copy)."""
+        stop = self.n if stop is None else stop
+        j = INDEX_COLUMNS.index(name)
+        return np.ascontiguousarray(self.files().index(start, stop)[:, j])
+
+    def codes_at(self, positions) -> np.ndarray:
+        """(len(positions), 4) int64 rows of ``rows.npy`` at ``positions`` (a small sample)."""
+        mm = np.load(self.rows_path, mmap_mode="r")
+        try:
+            return np.array(mm[np.asarray(positions, dtype=np.int64)])
+        finally:
+            del mm
+
+    def to_json(self) -> dict:
+        return {"rows_path": self.rows_path, "n": self.n, "max_group": self.max_group, "min_group": self.min_group,
+                "n_labels": self.n_labels,
+                "n_conf": self.n_conf, "source": self.source, "name": self.name, "sources_path": self.sources_path}
+
+    @classmethod
+    def from_json(cls, doc: dict, embeddings: RowSource) -> "ScopeRef":
+        return cls(embeddings=embeddings, **doc)
+
+
+def read_refs(path: Path, embeddings: RowSource) -> dict:
+    """``{key: ScopeRef}`` of a ``scopes.json`` written by :func:`write_refs`."""
+    doc = json.loads(Path(path).read_text())
+    return {key: ScopeRef.from_json(d, embeddings) for key, d in doc["scopes"].items()}
+
+
+def write_refs(path: Path, refs: dict, **info) -> None:
+    """Write ``{key: ScopeRef}`` (and ``info``) as ``scopes.json``, atomically."""
+    atomic_write_json(Path(path), {"scopes": {k: r.to_json() for k, r in refs.items()}, **info})
+
 
 #: Columns of a scope's ``rows.npy`` and of every chunk's ``.meta.npy`` (int64): the first is the
 #: tileset row (``rows.npy``, scope order) or the scope position (chunk metadata, file order).
@@ -153,6 +287,14 @@ class ScopeFiles:
     embeddings: RowSource
     source: str
     rows_path: str
+
+    def tile_rows_at(self, positions) -> np.ndarray:
+        """The tileset rows of the scope ``positions`` (a bounded sample), read off ``rows.npy``."""
+        mm = np.load(self.rows_path, mmap_mode="r")
+        try:
+            return np.array(mm[np.asarray(positions, dtype=np.int64), 0])
+        finally:
+            del mm
 
     def index(self, start: int, stop: int) -> np.ndarray:
         """``rows.npy[start:stop]``: (stop - start, 4) int64."""

@@ -21,7 +21,7 @@ from ..partition import (
 from . import (
     files as tunables,  # the engine's tunables, read at call time (tests patch them)
 )
-from .files import Layout, ScopeFiles, atomic_save_npz
+from .files import INDEX_COLUMNS, Layout, ScopeFiles, read_row_runs, write_rows
 
 
 def read_scope_rows(embeddings: RowSource, tile_rows, positions, source) -> np.ndarray:
@@ -42,27 +42,56 @@ def read_scope_rows(embeddings: RowSource, tile_rows, positions, source) -> np.n
 # batch's probe plan, a bounded query sample); rows, codes and positions are read from scratch files.
 
 
-def sample_task(files: ScopeFiles, positions: np.ndarray, tile_rows: np.ndarray) -> np.ndarray:
+def sample_task(files: ScopeFiles, positions: np.ndarray) -> np.ndarray:
+    """Normalised rows of the scope ``positions`` (a bounded sample), read from the cache."""
     with single_thread_blas():
-        return read_scope_rows(files.embeddings, tile_rows, positions, files.source)
+        return read_scope_rows(files.embeddings, files.tile_rows_at(positions), positions, files.source)
 
 
-def chunk_task(files: ScopeFiles, start: int, stop: int, centroids: np.ndarray, path: str, meta_path: str):
+def chunk_task(files: ScopeFiles, start: int, stop: int, centroids: np.ndarray, path: str, meta_path: str,
+               cluster_path: str, n_conf: int, n_cells: int):
     """Read, check, normalise and assign scope positions ``start:stop``; write them sorted by
-    cluster to ``path`` and their metadata ((r, 4) int64: scope position, group, label, confounder)
-    to ``meta_path`` in the same order. Returns ``(positions in file order (int64), cluster bounds (C+1,))``."""
+    cluster to ``path``, their metadata ((r, 4) int64: scope position, group, label, confounder)
+    to ``meta_path`` in the same order, and their cluster ids in scope order to ``cluster_path``
+    ((r,) int32). Returns ``(cluster bounds (C+1,), rows per (cell, cluster) (n_cells, C))`` with
+    cell code ``label * n_conf + confounder``: O(clusters), nothing per row goes back."""
     with single_thread_blas():
         index = files.index(start, stop)
         pos = np.arange(start, stop, dtype=np.int64)
         u = read_scope_rows(files.embeddings, index[:, 0], pos, files.source)
         cl = assign_clusters(u, centroids)
+        c = centroids.shape[0]
         order = np.argsort(cl, kind="stable")
-        bounds = np.searchsorted(cl[order], np.arange(centroids.shape[0] + 1)).astype(np.int64)
+        bounds = np.searchsorted(cl[order], np.arange(c + 1)).astype(np.int64)
         atomic_write(Path(path), lambda fh: np.save(fh, np.ascontiguousarray(u[order])))
         del u
+        atomic_write(Path(cluster_path), lambda fh: np.save(fh, np.asarray(cl, dtype=np.int32)))
+        cell = index[:, 2] * int(n_conf) + index[:, 3]
+        counts = np.bincount(cell * c + cl, minlength=int(n_cells) * c).reshape(int(n_cells), c).astype(np.int64)
         index[:, 0] = pos
         atomic_write(Path(meta_path), lambda fh: np.save(fh, np.ascontiguousarray(index[order])))
-        return pos[order], bounds
+        return bounds, counts
+
+
+def position_task(layout: Layout, step: int, positions: np.ndarray) -> np.ndarray:
+    """Vectors of the scope ``positions`` (a bounded sample) as the partition stored them, in the
+    given order: position ``p`` lies in chunk ``p // step`` (chunks are consecutive ranges of
+    ``step`` scope rows), at the file row its metadata names."""
+    positions = np.asarray(positions, dtype=np.int64)
+    out = np.empty((positions.size, layout.dim), dtype=np.dtype(layout.dtype))
+    chunk = positions // int(step)
+    for j in np.unique(chunk).tolist():
+        sel = np.flatnonzero(chunk == j)
+        n_rows = int(layout.bounds[j][-1])
+        file_pos = read_row_runs(layout.meta_paths[j], [(0, n_rows)], len(INDEX_COLUMNS), np.dtype(np.int64),
+                                 layout.meta_header[j])[:, 0]
+        where = np.empty(n_rows, dtype=np.int64)
+        where[file_pos - j * int(step)] = np.arange(n_rows)
+        local = where[positions[sel] - j * int(step)]
+        srt = np.argsort(local)
+        runs = [(int(r), int(r) + 1) for r in local[srt]]
+        out[sel[srt]] = read_row_runs(layout.paths[j], runs, layout.dim, np.dtype(layout.dtype), layout.header[j])
+    return out
 
 
 
@@ -76,9 +105,11 @@ def brute_task(layout: Layout, j: int, qv: np.ndarray, q_codes: np.ndarray, kind
         return out
 
 
-def search_task(layout: Layout, batch: dict, kinds: tuple, k: int, path: str) -> tuple[int, float]:
-    """Search the query clusters of ``batch`` and write a part file; returns its query count and
-    its wall seconds (the kernel throughput figures are pairs over these).
+def search_task(layout: Layout, batch: dict, kinds: tuple, k: int, tables: dict) -> tuple[int, float]:
+    """Search the query clusters of ``batch`` and write their rows of the scope-order tables
+    ``tables`` (``{(kind, "idx" | "dist"): (path, data offset)}``, created by the driver; each
+    query row is written by exactly one task, so a retried task rewrites the same bytes); returns
+    its query count and its wall seconds (the kernel throughput figures are pairs over these).
 
     ``batch`` maps a query cluster ``a`` to its probe plan: ``{"cross": probed clusters}``, or for
     the typed kinds ``{"cells": {target cell: probed clusters}}`` (cell code ``label * n_conf +
@@ -110,10 +141,10 @@ def search_task(layout: Layout, batch: dict, kinds: tuple, k: int, path: str) ->
             for a in q_clusters:
                 target.search(qv, q_codes, np.flatnonzero(qcl == a), k, res, batch[a])
             del target
-        arrays = {"pos": qmeta[:, 0]}
         for kind in kinds:
-            arrays[f"{kind}_idx"], arrays[f"{kind}_dist"] = res[kind]
-        atomic_save_npz(Path(path), **arrays)
+            for what, arr in zip(("idx", "dist"), res[kind]):
+                path, offset = tables[(kind, what)]
+                write_rows(path, offset, qmeta[:, 0], arr)
         return int(qv.shape[0]), time.perf_counter() - t0
 
 

@@ -1,0 +1,176 @@
+"""An out-of-core unit (:attr:`~.plan.UnitKind.LARGE`, a scope of at least ``[neighbors]
+large_scope_rows`` rows), driven from the client process with nothing per row held there.
+
+Data flow (ADR-0019, issue 26):
+
+1. :func:`large_scopes`: one worker task (:func:`scope_task`, once per scratch key, under a
+   cluster-wide lock) validates the encoder's embeddings, reads the view, validates it as the
+   metric API does and writes each scope's integer codes (``rows.npy``) and view rows
+   (``sources.npy``) to the unit's scratch folder; the driver gets back a
+   :class:`~cachescore.neighbors.large_scope.ScopeRef` per scope (paths and counts).
+2. The engine (:class:`~cachescore.neighbors.large_scope.LargeScopeSearch`) partitions and
+   searches on the workers, which write the neighbour tables in scope order to scratch.
+3. The family's out-of-core computation (:attr:`cachescore.metrics.families.Family.reduce`,
+   :mod:`cachescore.metrics.large`) scores row ranges on the workers and gathers reductions; a
+   worker assembles the per-unit table as one Parquet file, which the store takes as it is.
+4. :func:`drive_large_unit` writes the record and hands the unit's kept score entry (its
+   bootstrap interval, which reads the view and the per-unit table) to a worker.
+
+So the driver's memory holds the scope summaries, the reductions and one float64 per unit while
+a unit's lower-tail statistics are taken; ``[execution] large_unit_drivers`` bounds how many units
+are driven at once (their tasks share the cluster), not memory.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import dask
+import numpy as np
+from distributed import Lock
+
+from .._missing import as_float
+from .._taskkeys import ANNOTATION, task_key
+from .._warncapture import captured_warnings
+from ..cache import Cache
+from ..errors import DATA_ERRORS, UnscorableError
+from ..manifest import prepare
+from ..metrics import families
+from ..metrics.large import OutOfCore
+from ..neighbors.large_scope import read_refs, write_refs, write_scope
+from ..neighbors.normalize import compute_dtype
+from ..neighbors.registry import searcher_for
+from ..results.scores import keep_entries
+from ..store import ResultsStore
+from .outcome import DONE, UnitOutcome
+from .plan import params_json
+from .unit import record_unit_failure, score_unit, unit_annotation, unit_scratch, write_unit_result
+
+__all__ = ["scope_task", "large_scopes", "score_large_unit", "drive_large_unit", "large_record"]
+
+
+def scope_task(cache_root: str, encoder: str, tileset: str, view: str, confounder_column: str, design: str,
+               folder: str) -> None:
+    """Worker task: validate the embeddings of ``encoder`` × ``tileset`` (streamed, shard by
+    shard), read ``view``, validate it for ``design`` as the metric API does (``ValueError`` /
+    ``RuntimeError`` naming what is wrong) and write every scope's ``rows.npy`` / ``sources.npy``
+    under ``folder/scope-NNN`` and their summary as ``folder/scopes.json`` (written last)."""
+    cache = Cache(cache_root)
+    cache.validate_embeddings(encoder, tileset)
+    manifest = cache.read_view(view)
+    tile_rows = manifest["row"].to_numpy(dtype=np.int64)
+    prepared = prepare(manifest, confounder_column=confounder_column, evaluation_design=design, validate_subsets=True)
+    del manifest
+    embeddings = cache.row_source(encoder, tileset)
+    label = f"{encoder}/{view}"
+    refs = {}
+    for i, sc in enumerate(prepared.scopes):
+        key = f"scope-{i:03d}"
+        index = np.stack([tile_rows[sc.rows], sc.groups, sc.labels, sc.confounders], axis=1).astype(np.int64)
+        whole = sc.n == tile_rows.size and np.array_equal(sc.rows, np.arange(sc.n))
+        sub = Path(folder) / key
+        sub.mkdir(parents=True, exist_ok=True)
+        refs[key] = write_scope(sub, index, None if whole else sc.rows, embeddings=embeddings,
+                                source=f"{label} scope {sc.subset!r}", name=sc.subset)
+    write_refs(Path(folder) / "scopes.json", refs, dataset=prepared.dataset, design=prepared.design,
+               dtype=compute_dtype(embeddings.meta().dtype).name)
+
+
+def large_scopes(unit, client, scratch: Path) -> tuple[dict, dict]:
+    """``({key: ScopeRef}, {"dataset", "design", "dtype"})`` of a large unit's view, written once
+    per scratch folder by :func:`scope_task` on a worker (units of one encoder and view share it)."""
+    marker = scratch / "scopes.json"
+    with Lock(f"cachescore-large-{scratch}-scopes", scheduler_rpc=client.scheduler, loop=client.loop):
+        if not marker.is_file():
+            client.submit(scope_task, str(unit.cache_root), unit.encoder, unit.tileset, unit.view,
+                          unit.confounder_column, unit.design, str(scratch), pure=False,
+                          key=task_key("partition", "scopes")).result()
+    embeddings = Cache(unit.cache_root).row_source(unit.encoder, unit.tileset)
+    info = json.loads(marker.read_text())
+    return read_refs(marker, embeddings), {k: info[k] for k in ("dataset", "design", "dtype")}
+
+
+def large_record(unit, result, *, recall: float = float("nan")) -> dict:
+    """The store record of an out-of-core unit's :class:`~cachescore.metrics.large.LargeResult`:
+    the keys and types of :func:`~.unit.result_record`'s record (the per-unit table is a file)."""
+    record = {
+        "encoder": unit.encoder, "view": unit.view, "tileset": unit.tileset, "design": unit.design,
+        "family": unit.metric, "metric": unit.metric, "params": params_json(unit.params),
+        "backend": unit.params.get("backend", "exact"), "value": as_float(result.value), "std": as_float(result.std),
+        "q_alpha": as_float(result.q_alpha), "ltm_alpha": as_float(result.ltm_alpha), "f0": float("nan"),
+        "support": float("nan"), "k": None, "tau": float("nan"), "m": None, "recall": float(recall),
+        "n_units": int(result.n_units), "n_defined": int(result.n_defined), "n_pairs": int(result.n_pairs),
+        "fingerprint": unit.fingerprint,
+    }
+    record.update(result.fields)
+    return record
+
+
+def score_large_unit(unit, client):
+    """Score an out-of-core unit: ``(record, per-unit table)`` where the table is a Parquet file's
+    path (the family's :attr:`~cachescore.metrics.families.Family.reduce`), or a DataFrame for a
+    family without one (registered at run time: it is computed by the metric API in this process,
+    over the engine's memory-mapped tables, and holds the view here). Errors as
+    :func:`~.unit.score_unit`."""
+    scratch = unit_scratch(unit)
+    refs, info = large_scopes(unit, client, scratch)
+    searcher = searcher_for(unit.params, client=client, scopes=refs, scratch=scratch)
+    family = families.get(unit.metric)
+    if family.reduce is None:
+        manifest = Cache(unit.cache_root).read_view(unit.view)
+        features = np.zeros((len(manifest), 0), dtype=np.dtype(info["dtype"]))
+        return score_unit(unit, features, manifest, searcher=searcher)
+    ctx = OutOfCore(engine=searcher, scopes=list(refs.values()), dataset=info["dataset"], design=info["design"],
+                    folder=scratch / "units" / unit.fingerprint, label=f"{unit.encoder}/{unit.view}")
+    try:
+        result = family.reduce(unit.params, ctx)
+    except RuntimeError as exc:
+        if type(exc) is not RuntimeError:
+            raise
+        raise UnscorableError(f"{unit.label}: {exc}") from exc
+    record = large_record(unit, result, recall=searcher.recall if unit.params.get("backend") == "ann" else float("nan"))
+    if searcher.details:
+        record["neighbour_search"] = searcher.details
+    return record, result.per_unit
+
+
+def _keep_entry(store_root: str, cache_root: str, fingerprint: str, tables: dict) -> int:
+    """Worker task: compute and keep the stored unit's score entry (its interval reads the view
+    and the per-unit table; :func:`cachescore.results.scores.keep_entries`)."""
+    return keep_entries(ResultsStore(store_root), Cache(cache_root, mode="r"), [fingerprint],
+                        bootstrap=tables.get("bootstrap"), min_support=float(tables.get("min_support", 0.5)))
+
+
+def drive_large_unit(unit, client, run_id: str | None = None, retries: int = 0, tables: dict | None = None) -> UnitOutcome:
+    """Score a unit planned out of core from the calling process, normally the client's
+    (:func:`~.execute.execute_plan` runs several on threads); every per-row step runs on
+    ``client``'s workers (module docstring). Returns the unit's :class:`~.outcome.UnitOutcome`
+    (``worker_pid`` is this process). Never raises: a data error is recorded as the unit's
+    failure at once; any other exception (a lost worker, a cancelled task) is retried
+    ``retries`` times (completed scratch artefacts are reused), then recorded as the failure.
+    ``tables`` (the job's ``{"bootstrap", "min_support"}``): the stored unit's score entry is
+    computed on a worker and kept (best effort: the publication computes what is not kept).
+    """
+    store = ResultsStore(unit.store_root)
+    t0 = time.perf_counter()
+    for attempt in range(retries + 1):
+        try:
+            with captured_warnings() as caught, dask.annotate(**{ANNOTATION: unit_annotation(unit, run_id)}):
+                record, per_unit = score_large_unit(unit, client)
+            break
+        except DATA_ERRORS as exc:
+            return record_unit_failure(store, unit, exc, run_id=run_id, started=t0)
+        except Exception as exc:  # noqa: BLE001 - recorded, the other units go on (a cancelled task too)
+            if attempt == retries:
+                return record_unit_failure(store, unit, exc, run_id=run_id, started=t0)
+    outcome = write_unit_result(store, unit, record, per_unit, started=t0, loaded=t0, caught=caught, run_id=run_id)
+    if tables is not None and outcome.status == DONE:
+        try:
+            with dask.annotate(**{ANNOTATION: unit_annotation(unit, run_id)}):
+                client.submit(_keep_entry, str(unit.store_root), str(unit.cache_root), unit.fingerprint, tables,
+                              pure=False, key=task_key("reduce", "entry")).result()
+        except Exception:  # noqa: BLE001 - an optimisation: the publication computes what is not kept
+            pass
+    return outcome

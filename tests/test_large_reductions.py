@@ -1,0 +1,167 @@
+"""Out-of-core reductions (cachescore.metrics.large): the per-row work of RI, MaRI and CRoMa runs on
+the workers over the engine's scratch tables, and the driver gathers reductions only.
+
+Pins: on many random datasets (both designs; RI, MaRI with automatic, pinned and log-space
+temperatures, CRoMa) every record field and the whole per-unit table equal, **bit for bit**, what
+the metric API computes in one process over the same neighbour tables (the path the driver took
+before issue 26); the pairwise-sum tree reproduces numpy's ``sum`` exactly; the distributed
+selection returns ``np.sort``'s order statistics; ranges are cut small (many leaves, many tasks)
+so the recombination is exercised.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from cachescore.cache import Cache
+from cachescore.metrics import families
+from cachescore.metrics import large
+from cachescore.neighbors import large_scope as ls
+from cachescore.neighbors.registry import searcher_for
+from cachescore.pipeline.large_unit import large_record, scope_task
+from cachescore.pipeline.plan import WorkUnit
+from cachescore.pipeline.unit import result_record
+from test_large_scope import write_cache
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:unclosed <socket.socket:ResourceWarning"),
+    pytest.mark.filterwarnings("ignore:Exception ignored in. <socket.socket:pytest.PytestUnraisableExceptionWarning"),
+]
+
+
+@pytest.fixture(autouse=True)
+def _small(monkeypatch):
+    monkeypatch.setattr(ls.files, "CHUNK_BYTES", 700 * 32 * 4)
+    monkeypatch.setattr(ls.files, "ROWS_PER_CLUSTER", 150)
+    monkeypatch.setattr(ls.files, "KMEANS_MIN_SAMPLE", 500)
+    monkeypatch.setattr(ls.files, "KMEANS_MAX_SAMPLE", 800)
+    monkeypatch.setattr(ls.files, "BATCH_ROWS", 600)
+    monkeypatch.setattr(ls.files, "PIECE_ROWS", 1200)
+    monkeypatch.setattr(ls.files, "CALIBRATION_QUERIES", 600)
+    monkeypatch.setattr(large, "LEAF_ROWS", 256)  # a 2,000-row scope: 8+ leaves, one task each
+    monkeypatch.setattr(large, "GATHER_LIMIT", 64)  # the selection takes several histogram rounds
+
+
+@pytest.fixture(scope="module")
+def client():
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster) as c:
+        yield c
+
+
+# -- the building blocks ------------------------------------------------------------------------
+
+
+def test_pairwise_tree_reproduces_numpys_sum_bit_for_bit():
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        n = int(rng.integers(1, 200_000)) if trial % 2 else int(rng.integers(1, 3000))
+        a = rng.standard_normal(n) * np.exp(3 * rng.standard_normal(n))
+        for leaf in (128, 1000, 65536):
+            sums = {(lo, hi): np.add.reduce(a[lo:hi]) for lo, hi in large.pairwise_leaves(n, leaf)}
+            assert large.pairwise_total(n, sums, leaf) == float(a.sum()), (n, leaf)
+            assert sum(hi - lo for lo, hi in sums) == n
+
+
+def test_distributed_selection_returns_the_sorted_order_statistics():
+    rng = np.random.default_rng(1)
+    for trial in range(30):
+        parts = [rng.standard_normal(int(rng.integers(0, 400))) * 10.0 ** rng.integers(-3, 3) for _ in range(5)]
+        if trial % 3 == 0:  # ties and signed zeros
+            parts = [np.round(p, 1) for p in parts] + [np.array([0.0, -0.0, 0.0])]
+        allv = np.sort(np.concatenate(parts))
+        keys = [large._sortable(p) for p in parts]
+
+        def run(reqs):
+            answers = [large.key_requests(k, reqs) for k in keys]
+            return [sum(a[i] for a in answers) if r[0] == "hist" else np.concatenate([a[i] for a in answers])
+                    for i, r in enumerate(reqs)]
+
+        ranks = sorted({0, allv.size // 2, allv.size - 1, int(rng.integers(0, allv.size))})
+        got = large.select_ranks(run, ranks, limit=8)
+        for r in ranks:
+            assert got[r] == allv[r], (trial, r)
+        assert large.exact_median(run, allv.size) == float(np.median(allv))
+
+
+# -- the metrics, against the metric API over the same tables ------------------------------------
+
+
+def _unit(metric: str, params: dict, design: str, view: str) -> WorkUnit:
+    return WorkUnit(cache_root="", store_root="", encoder="enc0", view=view, tileset="ts", design=design,
+                    confounder_column="centre", metric=metric, params=dict(params, backend="exact", seed=0), fingerprint="f" * 64,
+                    inputs={}, code_version="test")
+
+
+CASES = [
+    ("ri", {"k_candidates": [5, 15, 40]}),
+    ("mari", {"k_candidates": [5, 15], "tau": "auto", "warn_tau": False}),
+    ("mari", {"k_candidates": [7, 20], "tau": 0.02, "warn_tau": True}),
+    ("mari", {"k_candidates": [5, 11], "tau": 1e-5, "warn_tau": True}),  # weights underflow: log space
+    ("croma", {"m": 5, "alpha": 0.1, "start_k": 200, "k_growth_factor": 2.0}),
+    ("croma", {"m": 2, "alpha": 0.25, "start_k": 200, "k_growth_factor": 2.0}),
+]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("design", ["all", "paired_2x2"])
+def test_reductions_equal_the_metric_api_over_the_same_tables(tmp_path, client, seed, design):
+    root = tmp_path / "cache"
+    n = (2100, 1700, 2500)[seed]
+    write_cache(root, n=n, seed=seed, encoders=("enc0",), paired=True)
+    view = "all" if design == "all" else "paired"
+    scratch = tmp_path / "scratch"
+    client.submit(scope_task, str(root), "enc0", "ts", view, "centre", design, str(scratch), pure=False).result()
+    refs = ls.read_refs(scratch / "scopes.json", Cache(root).row_source("enc0", "ts"))
+    frame = Cache(root).read_view(view)
+    features = np.zeros((len(frame), 0), dtype=np.float32)
+    for metric, params in CASES:
+        unit = _unit(metric, params, design, view)
+        fam = families.get(metric)
+        # the reference: the metric API in this process over the engine's memory-mapped tables
+        engine = searcher_for(unit.params | {"engine": "distributed"}, client=client, scopes=refs, scratch=scratch)
+        with warnings.catch_warnings(record=True) as ref_warn:
+            warnings.simplefilter("always")
+            result = fam.compute(unit.params, features, frame, confounder_column="centre", design=design,
+                                 searcher=engine)
+        want, want_table = result_record(unit, result)
+        # the reductions on the workers, over the same (reused) tables
+        engine = searcher_for(unit.params | {"engine": "distributed"}, client=client, scopes=refs, scratch=scratch)
+        ctx = large.OutOfCore(engine=engine, scopes=list(refs.values()), dataset="dataset", design=design,
+                              folder=tmp_path / f"units-{metric}-{len(params)}-{params.get('tau', params.get('m'))}")
+        with warnings.catch_warnings(record=True) as got_warn:
+            warnings.simplefilter("always")
+            out = fam.reduce(unit.params, ctx)
+        got = large_record(unit, out)
+        label = (metric, params, design, seed)
+        for key, value in want.items():
+            if isinstance(value, float) and np.isnan(value):
+                assert np.isnan(got[key]), (label, key, got[key])
+            else:
+                assert got[key] == value, (label, key, got[key], value)
+        assert set(got) == set(want), label
+        table = pd.read_parquet(out.per_unit)
+        pd.testing.assert_frame_equal(table, want_table, check_exact=True)
+        assert [str(w.message) for w in got_warn] == [str(w.message) for w in ref_warn], label
+
+
+def test_incomplete_paired_subsets_are_refused_by_the_scope_task(tmp_path, client):
+    root = tmp_path / "cache"
+    write_cache(root, n=1200, encoders=("enc0",), paired=False)
+    frame = Cache(root).read_view("all")
+    bad = frame[["sample_id", "label", "group_id", "centre"]].copy()
+    bad["subset"] = "s1"
+    bad = bad[bad["centre"] != "C2"]
+    bad = bad[~((bad["centre"] == "C1") & (bad["label"] == "L0"))]  # s1 lacks one cell of its 2x2
+    from cachescore.cache import write_view
+
+    write_view(root, "broken", bad, tileset="ts", confounder_column="centre", design="paired_2x2")
+    with pytest.raises(ValueError, match="s1"):
+        client.submit(scope_task, str(root), "enc0", "ts", "broken", "centre", "paired_2x2",
+                      str(tmp_path / "scratch"), pure=False).result()
