@@ -58,6 +58,7 @@ import math
 import os
 import resource
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -205,7 +206,7 @@ def write_job(path: Path, *, cache: Path, store: Path, backend: str, a) -> Path:
     ]
     if a.large_scope_rows is not None:
         lines.append(f"large_scope_rows = {int(a.large_scope_rows)}")
-    lines += ["", "[execution]", f"n_workers = {int(a.workers)}", "retries = 0", "dashboard = false",
+    lines += ["", "[execution]", f"n_workers = {int(max(a.workers))}", "retries = 0", "dashboard = false",
               f"performance_report = {'true' if a.performance_report else 'false'}", ""]
     path.write_text("\n".join(lines), encoding="utf-8")
     return path
@@ -270,43 +271,82 @@ def search_tables(store_path: Path, dim: int, gemm_gflops: float) -> list[dict]:
     return out
 
 
-def run_backend(a, backend: str, cache: Path) -> dict:
-    """Run the job for ``backend`` on a fresh LocalCluster; wall time, worker peaks, records."""
-    from distributed import Client, LocalCluster
+def _driver_hwm_mib(path: Path) -> float | None:
+    """The driver's VmHWM (peak RSS) in MiB, as it wrote it at exit; None if it could not."""
+    try:
+        for line in path.read_text().splitlines():
+            if line.startswith("VmHWM"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        return None
+    return None
 
-    from cachescore import cli
 
+def _phase_of(key) -> str:
+    """The phase of a cachescore task key (``search.enc0.view.ri-...`` -> ``search``)."""
+    head = str(key[0] if isinstance(key, tuple) else key).split("-", 1)[0]
+    return head.split(".", 1)[0]
+
+
+def run_backend(a, backend: str, cache: Path, workers: int | None = None) -> dict:
+    """Run the job for ``backend`` on a fresh LocalCluster of ``workers`` (default ``--workers``)
+    single-threaded worker processes, with ``cachescore run`` in a **subprocess** (the driver:
+    its peak RSS is the VmHWM it writes at exit, its CPU seconds (``wait4``) are the run's serial
+    share); wall time, worker peaks, task-seconds per phase (the Dask task stream), records."""
+    from distributed import Client, LocalCluster, get_task_stream
+
+    workers = int(a.workers if workers is None else workers)
     stamp = time.strftime("%Y%m%dT%H%M%S")
-    store = Path(a.workdir) / f"store-{backend}-{stamp}-{os.getpid()}"
+    store = Path(a.workdir) / f"store-{backend}-w{workers}-{stamp}-{os.getpid()}"
     job = write_job(Path(a.workdir) / f"job-{backend}.toml", cache=cache, store=store, backend=backend, a=a)
     env = dict(WORKER_ENV)
     env["NUMBA_CACHE_DIR"] = os.environ["NUMBA_CACHE_DIR"]
-    out: dict = {"backend": backend, "job": str(job), "store": str(store)}
-    with LocalCluster(n_workers=a.workers, threads_per_worker=1, processes=True, host="127.0.0.1",
+    out: dict = {"backend": backend, "job": str(job), "store": str(store), "n_workers": workers}
+    with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, host="127.0.0.1",
                       dashboard_address="127.0.0.1:0", scheduler_kwargs={"dashboard": False},
                       memory_limit=a.memory_limit, env=env) as cluster, \
             Client(cluster, set_as_default=False) as client:
         pids = client.run(os.getpid)
         # the reference for the kernel's throughput: float32 GEMM on every worker at once
         gemm = client.run(worker_gemm_gflops, a.dim)
-        # this process runs `cachescore run`: it drives the large-scope units (their O(n) state)
-        sampler = WorkerMemorySampler(dict(pids, client=os.getpid()), a.sample_interval)
-        sampler.start()
         argv = ["run", str(job), "--scheduler", cluster.scheduler_address] + ([] if a.progress else ["--quiet"])
-        t0 = time.perf_counter()
-        try:
-            rc = cli.main(argv)
-        finally:
-            wall = time.perf_counter() - t0
-            peaks = sampler.finish()
+        hwm_file = Path(a.workdir) / f"driver-hwm-{os.getpid()}-{workers}.txt"
+        # the driver writes its own VmHWM at exit: ru_maxrss of a forked child also counts the
+        # benchmark process's pages before exec, so it is not the driver's figure
+        code = ("import atexit, sys\n"
+                "def _hwm(path=sys.argv[1]):\n"
+                "    with open('/proc/self/status') as f, open(path, 'w') as out:\n"
+                "        out.write(''.join(l for l in f if l.startswith(('VmHWM', 'VmRSS', 'RssAnon'))))\n"
+                "atexit.register(_hwm)\n"
+                "from cachescore import cli; sys.exit(cli.main(sys.argv[2:]))")
+        with get_task_stream(client) as stream:
+            t0 = time.perf_counter()
+            proc = subprocess.Popen([sys.executable, "-c", code, str(hwm_file), *argv])
+            sampler = WorkerMemorySampler(dict(pids, client=proc.pid), a.sample_interval)
+            sampler.start()
+            try:
+                _, status, usage = os.wait4(proc.pid, 0)
+            finally:
+                wall = time.perf_counter() - t0
+                peaks = sampler.finish()
+        rc = os.waitstatus_to_exitcode(status)
+        phases: dict = {}
+        for t in stream.data:
+            for ss in t.get("startstops", ()):
+                if ss.get("action") == "compute":
+                    ph = _phase_of(t["key"])
+                    phases[ph] = phases.get(ph, 0.0) + float(ss["stop"] - ss["start"])
     out.update(rc=int(rc), wall_s=round(wall, 2), gemm_gflops={w: round(g, 1) for w, g in gemm.items()})
+    out["task_seconds_by_phase"] = {k: round(v, 2) for k, v in sorted(phases.items())}
+    out["client_cpu_s"] = round(usage.ru_utime + usage.ru_stime, 2)
+    out["client_peak_mib"] = _driver_hwm_mib(hwm_file)
     client_peak = peaks.pop("client")
     out["workers"] = {w: {"pid": p["pid"], "max_vmrss_mib": _mib(p["max_vmrss"] or None),
                           "max_rssanon_mib": _mib(p["max_rssanon"] or None), "vmhwm_mib": _mib(p["vmhwm"]),
                           "samples": p["samples"]} for w, p in peaks.items()}
     out["client_max_vmrss_mib"] = _mib(client_peak["max_vmrss"] or None)
     out["client_max_rssanon_mib"] = _mib(client_peak["max_rssanon"] or None)
-    out["client_vmhwm_mib"] = _mib(proc_status(os.getpid()).get("VmHWM"))
+    out["client_vmhwm_mib"] = out["client_peak_mib"]
     records, failures = read_records(store)
     out["searches"] = search_tables(store, a.dim, float(np.mean(list(gemm.values()))))
     out["records"] = json.loads(records.to_json(orient="records", date_format="iso"))
@@ -328,9 +368,14 @@ def print_backend(res: dict) -> None:
         print(f"   worker {w} (pid {p['pid']}): peak VmRSS {_fmt(p['max_vmrss_mib'], 1)} MiB, "
               f"peak RssAnon {_fmt(p['max_rssanon_mib'], 1)} MiB, VmHWM {_fmt(p['vmhwm_mib'], 1)} MiB "
               f"({p['samples']} samples)")
-    print(f"   client process (drives large-scope units): peak VmRSS {_fmt(res.get('client_max_vmrss_mib'), 1)} MiB "
-          f"during the run, peak RssAnon {_fmt(res.get('client_max_rssanon_mib'), 1)} MiB, "
-          f"VmHWM {_fmt(res['client_vmhwm_mib'], 1)} MiB (process lifetime)")
+    print(f"   driver (the `cachescore run` process): peak RSS {_fmt(res.get('client_peak_mib'), 1)} MiB "
+          f"(its VmHWM), peak RssAnon {_fmt(res.get('client_max_rssanon_mib'), 1)} MiB, "
+          f"CPU {_fmt(res.get('client_cpu_s'), 1)} s (the run's serial share) of {res['wall_s']:.1f} s wall")
+    tasks = res.get("task_seconds_by_phase") or {}
+    total = sum(tasks.values())
+    if total:
+        print("   worker task-seconds by phase: " + ", ".join(
+            f"{k} {v:.1f} s ({100 * v / total:.0f}%)" for k, v in tasks.items()) + f"; total {total:.1f} s")
     cols = [c for c in dict.fromkeys((*RECORD_COLUMNS, *EXTRA_KEYS)) if res["records"] and c in res["records"][0]]
     if res["records"]:
         print("   " + "  ".join(f"{c:>10}" for c in cols))
@@ -400,7 +445,15 @@ def run_pipeline(a) -> int:
         for g in scaling:
             print(f"\n== growth {g['backend']} {g['from_rows']} -> {g['to_rows']} rows: wall x{g['wall_ratio']:.2f}, "
                   f"exponent {g['wall_exponent']:.2f} (time ~ n^e); search phases exponent "
-                  f"{_fmt(g.get('search_exponent'), 2)}; computed pairs exponent {_fmt(g.get('pairs_exponent'), 2)}")
+                  f"{_fmt(g.get('search_exponent'), 2)}; computed pairs exponent {_fmt(g.get('pairs_exponent'), 2)}; "
+                  f"driver peak {g['client_peak_mib'][0]:.0f} -> {g['client_peak_mib'][1]:.0f} MiB "
+                  f"(x{g['client_peak_ratio']:.2f})")
+        if len(scaling) > 1:  # first size to last
+            r0 = reports[0]["results"][a.backends[0]]
+            r1 = reports[-1]["results"][a.backends[0]]
+            print(f"== driver peak {reports[0]['args']['rows']} -> {reports[-1]['args']['rows']} rows: "
+                  f"{r0['client_peak_mib']:.0f} -> {r1['client_peak_mib']:.0f} MiB "
+                  f"(x{r1['client_peak_mib'] / r0['client_peak_mib']:.2f})")
         if a.json:
             out = reports[0] if len(reports) == 1 else {"mode": "pipeline", "sizes": reports, "growth": scaling}
             with open(a.json, "w") as f:
@@ -419,10 +472,17 @@ def run_size(a) -> dict:
     report: dict = {"mode": "pipeline", "args": vars(a).copy()}
     cache, report["cache"] = build_or_reuse_cache(a)
     report["results"] = {}
+    counts = list(a.workers)
     for backend in a.backends:
-        res = run_backend(a, backend, cache)
-        report["results"][backend] = res
-        print_backend(res)
+        runs = {}
+        for w in counts:
+            res = run_backend(a, backend, cache, w)
+            runs[w] = res
+            print_backend(res)
+        report["results"][backend] = runs[counts[-1]]
+        if len(counts) > 1:
+            report.setdefault("scaling", {})[backend] = scaling = strong_scaling(runs)
+            print_scaling(backend, scaling)
     report["comparison"] = cmp_ = compare(report["results"])
     if cmp_:
         print(f"\n== exact vs ann: speed ratio (wall) x{_fmt(cmp_['speed_ratio_wall'], 2)}")
@@ -433,6 +493,28 @@ def run_size(a) -> dict:
                   f"tolerance 1-recall {_fmt(m['tolerance'], 6)} within: {m['within_tolerance']} "
                   f"unit speed ratio x{_fmt(m['unit_speed_ratio'], 2)}")
     return report
+
+
+def strong_scaling(runs: dict) -> dict:
+    """Speed-up of each worker count over the first, the driver's serial CPU seconds, and each
+    phase's worker task-seconds (a phase's parallel work; the same total at every count when it
+    scales)."""
+    counts = sorted(runs)
+    base = runs[counts[0]]
+    return {"workers": counts, "wall_s": [runs[w]["wall_s"] for w in counts],
+            "speedup": [base["wall_s"] / runs[w]["wall_s"] for w in counts],
+            "client_cpu_s": [runs[w]["client_cpu_s"] for w in counts],
+            "serial_share": [runs[w]["client_cpu_s"] / runs[w]["wall_s"] for w in counts],
+            "task_seconds_by_phase": {w: runs[w]["task_seconds_by_phase"] for w in counts},
+            "client_peak_mib": [runs[w]["client_peak_mib"] for w in counts]}
+
+
+def print_scaling(backend: str, sc: dict) -> None:
+    print(f"\n== strong scaling ({backend}): " + "; ".join(
+        f"{w} worker(s) {t:.1f} s, speed-up x{s:.2f}, driver CPU {c:.1f} s ({100 * f:.1f}% of wall), "
+        f"driver peak {p:.0f} MiB"
+        for w, t, s, c, f, p in zip(sc["workers"], sc["wall_s"], sc["speedup"], sc["client_cpu_s"],
+                                    sc["serial_share"], sc["client_peak_mib"])))
 
 
 def growth(reports: list[dict], backends) -> list[dict]:
@@ -446,7 +528,9 @@ def growth(reports: list[dict], backends) -> list[dict]:
                 continue
             n0, n1 = lo["args"]["rows"], hi["args"]["rows"]
             g = {"backend": backend, "from_rows": n0, "to_rows": n1, "wall_ratio": r1["wall_s"] / r0["wall_s"],
-                 "wall_exponent": math.log(r1["wall_s"] / r0["wall_s"]) / math.log(n1 / n0)}
+                 "wall_exponent": math.log(r1["wall_s"] / r0["wall_s"]) / math.log(n1 / n0),
+                 "client_peak_ratio": r1["client_peak_mib"] / r0["client_peak_mib"],
+                 "client_peak_mib": [r0["client_peak_mib"], r1["client_peak_mib"]]}
             for key, field in (("search_exponent", "seconds_search"), ("pairs_exponent", "search_pairs")):
                 v0 = sum(t.get(field) or 0 for t in r0.get("searches", []))
                 v1 = sum(t.get(field) or 0 for t in r1.get("searches", []))
@@ -675,7 +759,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--keep", action="store_true", help="keep the temporary work folder")
     g = p.add_argument_group("pipeline mode")
     g.add_argument("--backends", nargs="+", choices=("exact", "ann", "auto"), default=["exact", "ann"])
-    g.add_argument("--workers", type=int, default=2, help="LocalCluster worker processes (1 thread each)")
+    g.add_argument("--workers", type=int, nargs="+", default=[2],
+                   help="LocalCluster worker processes (1 thread each); several counts: the same job on each "
+                        "(strong scaling: speed-up, the driver's serial seconds, each phase's share)")
     g.add_argument("--memory-limit", default="auto", help="LocalCluster memory limit per worker")
     g.add_argument("--k-candidates", type=int, nargs="+", default=[5, 11, 21], help="RI/MaRI windows")
     g.add_argument("--m", type=int, nargs="+", default=None,

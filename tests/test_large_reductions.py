@@ -25,7 +25,7 @@ from cachescore.neighbors.registry import searcher_for
 from cachescore.pipeline.large_unit import large_record, scope_task
 from cachescore.pipeline.plan import WorkUnit
 from cachescore.pipeline.unit import result_record
-from test_large_scope import write_cache
+from test_large_scope import _small_partition, write_cache  # noqa: F401 - a fixture, used by _small
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:unclosed <socket.socket:ResourceWarning"),
@@ -34,14 +34,7 @@ pytestmark = [
 
 
 @pytest.fixture(autouse=True)
-def _small(monkeypatch):
-    monkeypatch.setattr(ls.files, "CHUNK_BYTES", 700 * 32 * 4)
-    monkeypatch.setattr(ls.files, "ROWS_PER_CLUSTER", 150)
-    monkeypatch.setattr(ls.files, "KMEANS_MIN_SAMPLE", 500)
-    monkeypatch.setattr(ls.files, "KMEANS_MAX_SAMPLE", 800)
-    monkeypatch.setattr(ls.files, "BATCH_ROWS", 600)
-    monkeypatch.setattr(ls.files, "PIECE_ROWS", 1200)
-    monkeypatch.setattr(ls.files, "CALIBRATION_QUERIES", 600)
+def _small(monkeypatch, _small_partition):  # test_large_scope's partition constants, plus:
     monkeypatch.setattr(large, "LEAF_ROWS", 256)  # a 2,000-row scope: 8+ leaves, one task each
     monkeypatch.setattr(large, "GATHER_LIMIT", 64)  # the selection takes several histogram rounds
 

@@ -76,3 +76,71 @@ def test_probe_unit_fingerprint_with_given_inputs_equals_computed(tmp_path):
     assert probe_unit_fingerprint(cache, enc, view, job.probe, code_version="x", inputs=inputs) == a
     assert probe_unit_fingerprint(cache, enc, view, job.probe, code_version="x",
                                   inputs=dict(inputs, view="0" * 64)) != a
+
+
+# ----------------------------------------------------------------------------------------------
+# planning reads a view's code columns, not the joined frame (issue 26: a lean driver)
+
+
+def _messy_views(root):
+    """A tileset and views whose labels / centres differ only by spaces, one paired view with an
+    undefined subset (a single centre) and one view too small for CRoMa m = 5."""
+    import numpy as np
+    import pandas as pd
+
+    from cachescore.cache import write_embeddings, write_view
+    from cachescore.cache.writer import write_tileset
+
+    rng = np.random.default_rng(0)
+    n = 600
+    g = np.arange(n) // 12
+    tiles = pd.DataFrame({"sample_id": [f"t{i}" for i in range(n)], "image_path": [f"t{i}.png" for i in range(n)],
+                          "group_id": [f"s{k}" for k in g],
+                          "label": np.where(rng.random(n) < 0.5, "L0", " L0 ")[: n],
+                          "centre": [f"C{k % 3}" + (" " if k % 2 else "") for k in g]})
+    tiles.loc[tiles.index % 5 == 0, "label"] = "L1"
+    write_tileset(root, "ts", tiles)
+    write_embeddings(root, "enc", "ts", rng.standard_normal((n, 8)).astype(np.float32))
+    view = tiles[["sample_id", "label", "group_id", "centre"]]
+    write_view(root, "all", view, tileset="ts", confounder_column="centre", design="all")
+    parts = []
+    for name, keep in (("a+b", ["C0", "C1", "C1 "]), ("c_only", ["C2", "C2 "])):
+        p = view[view["centre"].isin(keep)].copy()
+        p["subset"] = name
+        parts.append(p)
+    write_view(root, "paired", pd.concat(parts, ignore_index=True), tileset="ts", confounder_column="centre",
+               design="paired_2x2")
+    write_view(root, "tiny", view.iloc[:40], tileset="ts", confounder_column="centre", design="all")
+
+
+def test_planning_reads_code_columns_and_finds_what_the_frame_finds(tmp_path, monkeypatch):
+    from cachescore.cache import Cache
+    from cachescore.jobs import parse_job
+    from cachescore.pipeline import plan as plan_mod
+
+    monkeypatch.setenv("CACHESCORE_CODE_VERSION", "pinned-for-test")
+    _messy_views(tmp_path / "cache")
+    doc = {"schema_version": 1,
+           "job": {"cache": str(tmp_path / "cache"), "store": str(tmp_path / "store"),
+                   "views": ["all", "paired", "tiny"]},
+           "metrics": {"families": ["ri", "mari", "croma"], "ri": {"k_candidates": [5, 50]},
+                       "croma": {"m": [5, 9]}}}
+    job = parse_job(doc)
+
+    def facts(lean: bool):
+        planner = plan_mod._Planner(job, Cache(tmp_path / "cache"), None)
+        return {v: planner.view_facts(v) for v in ("all", "paired", "tiny")}
+
+    def no_frame(self, view):
+        raise AssertionError(f"planning built the frame of view {view!r}")
+
+    with monkeypatch.context() as m:
+        m.setattr(Cache, "read_view", no_frame)
+        lean = facts(True)
+    with monkeypatch.context() as m:
+        m.setattr(plan_mod, "_code_frame", lambda *a: None)  # the frame path, as before
+        full = facts(False)
+    assert lean == full
+    assert lean["paired"].scope_error and "c_only" in lean["paired"].scope_error
+    assert any(t and "tiny" in t for t in lean["tiny"].too_small)  # CRoMa m = 9 on 40 rows
+    assert lean["all"].scope_error is None and lean["all"].scope_rows == 600

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .._finite import nonfinite_rows
@@ -76,6 +77,8 @@ def _keep_view_frame(key: tuple, frame: pd.DataFrame) -> None:
 #: Attempts, and the pause before each retry (seconds, times the attempt number), to read a view's
 #: table and sidecar as a matching pair while ``write_view(overwrite=True)`` swaps them.
 VIEW_READ_ATTEMPTS = 6
+#: Rows decoded at a time by :meth:`Cache.view_codes` (its memory is its codes plus one batch).
+VIEW_CODE_BATCH = 1 << 16
 VIEW_RETRY_PAUSE = 0.05
 
 
@@ -280,6 +283,54 @@ class Cache:
         frame = kept.copy()
         frame.attrs = dict(kept.attrs)
         return frame
+
+    def view_codes(self, view: str, columns, *, strip=()) -> dict | None:
+        """Integer codes of ``columns`` of ``view``'s own table, without building its frame:
+        ``{column: (codes (n,) int32, names)}`` where equal codes mean equal values
+        (``str(value)``, stripped for the columns in ``strip``) and ``names[code]`` is the value.
+        O(n) small integers and the distinct values only, for planning checks on views of
+        millions of rows. None when the table lacks a column, holds nulls in one, or a column is
+        neither text nor integer (the caller then reads the view, :meth:`read_view`). Raises as
+        :meth:`read_view` for a view that cannot be read."""
+        spec, data = self._view_pair(view)
+        try:
+            table = pq.ParquetFile(pa.BufferReader(data))
+        except (pa.ArrowException, OSError):
+            return None
+        schema = table.schema_arrow
+        out = {}
+        for name in columns:  # a column at a time, in batches, text decoded straight into dictionaries
+            if name not in schema.names:
+                return None
+            kind = schema.field(name).type
+            text = pa.types.is_string(kind) or pa.types.is_large_string(kind)
+            if not (text or pa.types.is_integer(kind)):
+                return None
+            codes = np.empty(table.metadata.num_rows, dtype=np.int32)
+            seen: dict[str, int] = {}
+            at = 0
+            try:
+                reader = pq.ParquetFile(pa.BufferReader(data), read_dictionary=[name] if text else None)
+                for batch in reader.iter_batches(batch_size=VIEW_CODE_BATCH, columns=[name], use_threads=False):
+                    arr = batch.column(0)
+                    if arr.null_count:
+                        return None
+                    if not text:
+                        arr = pc.dictionary_encode(pc.cast(arr, pa.string()))
+                    values = arr.dictionary.to_pylist()
+                    local = np.fromiter((seen.setdefault(v.strip() if name in strip else v, len(seen)) for v in values),
+                                        dtype=np.int32, count=len(values))
+                    idx = arr.indices.to_numpy(zero_copy_only=False)
+                    codes[at : at + idx.size] = local[idx]
+                    at += idx.size
+            except (pa.ArrowException, OSError):
+                return None
+            names = np.asarray(list(seen), dtype=object).astype(str)
+            order = np.argsort(names, kind="stable")
+            rank = np.empty(order.size, dtype=np.int32)
+            rank[order] = np.arange(order.size, dtype=np.int32)
+            out[name] = (rank[codes], [str(v) for v in names[order]])
+        return out
 
     def _parse_view(self, view: str, spec, data: bytes) -> pd.DataFrame:
         """:meth:`read_view`'s frame from the view's checked table bytes (validated, joined with the tileset)."""

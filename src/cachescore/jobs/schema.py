@@ -221,8 +221,9 @@ _CORE: dict[str, dict[str, Key]] = {
         "memory_limit": Key((str,), "auto", "LocalCluster memory limit per worker ('auto' or e.g. '4GiB').", non_empty),
         "retries": Key((int,), 2, "Retries of a work unit after a transient (non-data) failure.", non_negative_int),
         "large_unit_drivers": Key((int,), 3, "Large-scope units (see [neighbors] large_scope_rows) driven at once "
-                                             "from the client process; each holds its scope's O(n) codes and "
-                                             "per-unit values there while its searches run on the workers.",
+                                             "from the client process (their searches and reductions run on the "
+                                             "workers; a driver holds no per-row state but one float64 per "
+                                             "unit while its statistics are taken).",
                                   positive_int),
         "dashboard": Key((bool,), True, "Serve the LocalCluster dashboard on 127.0.0.1 (a free port) and print its URL."),
         "performance_report": Key((bool,), True, "Save a Dask performance report (HTML) in the store's run folder."),

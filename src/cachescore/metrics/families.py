@@ -211,32 +211,54 @@ def _croma_replicates(per_unit: pd.DataFrame, member, counts, subsets):
                   else "cluster bootstrap (group_id) of the pooled median")
 
 
+def _value_codes(column: pd.Series, *, strip: bool) -> np.ndarray:
+    """Dense codes (equal iff the values are equal as text, stripped when ``strip``) of a column; a
+    categorical (planning's lean view columns, already normalised) gives its codes, no text."""
+    if isinstance(column.dtype, pd.CategoricalDtype):
+        return column.cat.codes.to_numpy(dtype=np.int64)
+    text = column.astype(str)
+    return pd.factorize((text.str.strip() if strip else text).to_numpy())[0].astype(np.int64)
+
+
 def _typed_counts(part: pd.DataFrame, confounder: str):
-    """Per row of ``part``: how many SO rows (same label, other confounder value) and OS rows (other
-    label, same confounder) it has outside its own ``group_id`` (spec §1: the candidates CRoMa draws
-    its m nearest SO and OS neighbours from). Two int64 arrays."""
-    y = part["label"].astype(str).str.strip().to_numpy()
-    c = part[confounder].astype(str).str.strip().to_numpy()
-    g = part["group_id"].astype(str).to_numpy() if "group_id" in part.columns else np.arange(len(part)).astype(str)
-    t = pd.DataFrame({"y": y, "c": c, "g": g})
+    """How many SO rows (same label, other confounder value) and OS rows (other label, same
+    confounder) each row of ``part`` has outside its own ``group_id`` (spec §1: the candidates
+    CRoMa draws its m nearest SO and OS neighbours from). Both depend on the row's (group,
+    label, confounder) only, so they are counted per such combination: returns ``(so, os,
+    combination of each row)``, ``so[combo[i]]`` being row ``i``'s count (int64 arrays; O(rows)
+    integers, no text, no frame)."""
+    y = _value_codes(part["label"], strip=True)
+    c = _value_codes(part[confounder], strip=True)
+    g = _value_codes(part["group_id"], strip=False) if "group_id" in part.columns else np.arange(len(part))
+    ny, nc = int(y.max()) + 1 if y.size else 1, int(c.max()) + 1 if c.size else 1
+    combos, combo, rows = np.unique((g * ny + y) * nc + c, return_inverse=True, return_counts=True)
+    del y, c, g
+    cg, rest = np.divmod(combos, ny * nc)
+    cy, cc = np.divmod(rest, nc)
 
-    def count(*cols):
-        return t.groupby(list(cols))["y"].transform("size").to_numpy(dtype=np.int64)
+    def total(key, size):  # rows per key value, read back per combination
+        return np.bincount(key, weights=rows, minlength=size).astype(np.int64)[key]
 
-    n_yc, n_y, n_c = count("y", "c"), count("y"), count("c")
-    g_yc, g_y, g_c = count("g", "y", "c"), count("g", "y"), count("g", "c")
-    return (n_y - n_yc) - (g_y - g_yc), (n_c - n_yc) - (g_c - g_yc)
+    def within(key):  # rows of the same group per key value, per combination
+        _, inv = np.unique(key, return_inverse=True)
+        return np.bincount(inv, weights=rows).astype(np.int64)[inv]
+
+    n_yc, n_y, n_c = total(cy * nc + cc, ny * nc), total(cy, ny), total(cc, nc)
+    g_y, g_c = within(cg * ny + cy), within(cg * nc + cc)
+    g_yc = rows.astype(np.int64)
+    return (n_y - n_yc) - (g_y - g_yc), (n_c - n_yc) - (g_c - g_yc), combo
 
 
 def _croma_problem(scopes, confounder: str, params: Mapping, view: str, design: str) -> str | None:
     m = int(params["m"])
     for scope, part in scopes:
-        so, os_ = _typed_counts(part, confounder)
+        so, os_, combo = _typed_counts(part, confounder)
         worst = int(min(so.min(), os_.min()))
         if worst < m:
             where = f"view {view!r}" + ("" if scope == "dataset" else f", scope {scope!r}")
             kind = "SO" if so.min() <= os_.min() else "OS"
-            row = int((so if kind == "SO" else os_).argmin())
+            low = (so if kind == "SO" else os_) == worst
+            row = int(np.flatnonzero(low[combo])[0])  # the first row with the fewest candidates
             return (f"{where} ({len(part)} rows): CRoMa m={m} needs {m} SO and {m} OS neighbours outside each "
                     f"row's group, but row {row} of the scope has only {worst} {kind} candidate(s); lower "
                     f"[metrics.croma] m to at most {worst} or score a larger view")

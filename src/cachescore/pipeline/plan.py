@@ -25,6 +25,8 @@ import json
 from dataclasses import dataclass, field
 from enum import Enum
 
+import pandas as pd
+
 
 from .._jsonsafe import json_default
 from ..cache import Cache
@@ -174,10 +176,30 @@ def _metric_params(job: Job) -> list[tuple[str, dict]]:
             for params in families.get(name).units(job.metrics.family(name))]
 
 
+def _code_frame(cache, view: str, confounder: str, design: str):
+    """The columns planning checks (``label``, the confounder, ``group_id``, ``subset`` when
+    paired) as a frame of categoricals over the stripped values, read without building the view
+    (:meth:`cachescore.cache.Cache.view_codes`: a few bytes a row, so a view of millions of rows
+    is planned in little memory); None when the view's table cannot be read that way (a column
+    taken from the tileset, a column of another type): the caller reads the view."""
+    columns = ["label", confounder, "group_id"] + (["subset"] if design == "paired_2x2" else [])
+    if len(set(columns)) != len(columns):
+        return None
+    codes = cache.view_codes(view, columns, strip=("label", confounder, "subset"))
+    if codes is None:
+        return None
+    return pd.DataFrame({c: pd.Categorical.from_codes(codes[c][0], categories=codes[c][1]) for c in columns})
+
+
+def _stripped(column):
+    """A column's values as stripped text (a categorical of :func:`_code_frame` already is)."""
+    return column if isinstance(column.dtype, pd.CategoricalDtype) else column.astype(str).str.strip()
+
+
 def _scope_rows(frame, design: str) -> int:
     """Rows of the largest scope of a view under ``design`` (``subset`` counts for paired)."""
     if design == "paired_2x2" and "subset" in frame.columns and len(frame):
-        return int(frame["subset"].astype(str).str.strip().value_counts().max())
+        return int(_stripped(frame["subset"]).value_counts().max())
     return int(len(frame))
 
 
@@ -192,13 +214,13 @@ def undefined_scope(frame, confounder: str, design: str, view: str) -> str | Non
     if confounder not in frame.columns or "label" not in frame.columns or not len(frame):
         return None
     if design == "paired_2x2" and "subset" in frame.columns:
-        scopes = frame.groupby(frame["subset"].astype(str).str.strip(), sort=True)
+        scopes = frame.groupby(_stripped(frame["subset"]), sort=True, observed=True)
     else:
         scopes = [("dataset", frame)]
     for name, part in scopes:
         where = f"view {view!r}" + ("" if name == "dataset" else f", scope {name!r}")
         for column, lacks in ((confounder, "OS"), ("label", "SO")):
-            values = part[column].astype(str).str.strip().unique()
+            values = _stripped(part[column]).unique()
             if len(values) < 2:
                 return (f"{where}: column {column!r} has a single value ({values[0]!r}), so no unit has an {lacks} "
                         f"neighbour and RI, MaRI and CRoMa are not defined here (croma would return a fallback); "
@@ -209,7 +231,7 @@ def undefined_scope(frame, confounder: str, design: str, view: str) -> str | Non
 def _scopes(frame, design: str) -> list[tuple[str, object]]:
     """``[(scope name, its rows)]``: the whole view under ``all``, each subset under ``paired_2x2``."""
     if design == "paired_2x2" and "subset" in frame.columns:
-        return [(str(k), part) for k, part in frame.groupby(frame["subset"].astype(str).str.strip(), sort=True)]
+        return [(str(k), part) for k, part in frame.groupby(_stripped(frame["subset"]), sort=True, observed=True)]
     return [("dataset", frame)]
 
 
@@ -331,13 +353,15 @@ class _Planner:
         try:
             spec = self.cache.view_spec(view)
             view_fp = self.fps.view(view)
-            frame = self.cache.read_view(view)
+            design = _design_for(job, getattr(spec, "design", None))
+            frame = _code_frame(self.cache, view, spec.confounder_column, design)
+            if frame is None:
+                frame = self.cache.read_view(view)
         except (ValueError, OSError) as exc:
             self.inputs[f"views/{view}"] = f"error: {_error(exc)}"
             return _ViewFacts(design=job.design if job.design != "auto" else "?", error=_error(exc),
                               too_small=[None] * len(self.families))
         self.inputs[f"views/{view}"] = view_fp
-        design = _design_for(job, getattr(spec, "design", None))
         confounder = spec.confounder_column
         scope_err = undefined_scope(frame, confounder, design, view)
         too_small = [None if scope_err else scope_size_problem(frame, confounder, design, view, metric, mparams)

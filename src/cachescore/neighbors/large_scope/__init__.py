@@ -1,8 +1,10 @@
 """Out-of-core, distributed neighbour search (an engine of :mod:`cachescore.neighbors`) of one large scope (DESIGN §4 "Large scopes", §6 "Scale").
 
 A metric unit whose scope has at least ``[neighbors] large_scope_rows`` rows is not a task: the
-client process drives it (:func:`cachescore.pipeline.unit.drive_large_unit`) through this module,
-which fans the search out over the cluster's workers:
+client process drives it (:func:`cachescore.pipeline.large_unit.drive_large_unit`) through this
+module, which fans the search out over the cluster's workers. Its scopes arrive as
+:class:`ScopeRef` (a worker wrote each scope's ``rows.npy``: tileset row and codes per scope row);
+the API may pass :class:`ScopeRows` (arrays), which the engine writes to scratch first:
 
 1. **Partition** (once per scope, shared by every unit of that scope):
    a sample of rows is read from the cache and normalised, and a spherical k-means gives ``C``
@@ -11,7 +13,8 @@ which fans the search out over the cluster's workers:
    (NaN/inf name the view rows), normalises them (croma's two-step rule, spec §1.7), assigns each
    to its nearest centroid and writes them to a scratch ``.npy`` sorted by cluster, with their
    metadata (scope position and codes, :data:`INDEX_COLUMNS`) in the same order. The tasks find
-   the scope's tileset rows and codes in ``rows.npy``, written once by the driver.
+   the scope's tileset rows and codes in ``rows.npy``; each also writes its rows' cluster ids
+   (scope order) and returns its rows per (cell, cluster) counts, nothing per row.
 2. **Calibration and audit** (ANN only): two seeded query samples get their exact answers from
    one brute-force task per chunk (both samples in one pass, merged by ``(distance, index)``);
    the calibration sample picks the *probe rule* of least work whose recall reaches the target
@@ -27,8 +30,10 @@ which fans the search out over the cluster's workers:
    their probe sets overlap) reads its queries and the clusters they probe (cross-group: all rows
    of the probed clusters; typed: their rows of every SO/OS target cell) from the chunk files
    in pieces of at most ``PIECE_ROWS`` rows, runs the exact kernel
-   (:func:`~cachescore.neighbors.partition.topk_tiles`) and writes a part file. The driver copies
-   the parts into memory-mapped ``(n, k)`` tables, which the metrics read in row blocks.
+   (:func:`~cachescore.neighbors.partition.topk_tiles`) and writes its query rows into the
+   scope-order ``(n, k)`` tables in place (positional writes; the driver only creates the files).
+   The metrics read the tables as files on the workers (:meth:`LargeScopeSearch.table_files`,
+   :mod:`cachescore.metrics.large`) or, through the API calls, memory-mapped.
 4. **Recall**: measured on the audit sample against its exact answers (tie-robust, like
    :mod:`cachescore.neighbors.ann`). Below the target, the rule widens to the next rung of
    :func:`~cachescore.neighbors.partition.probe_ladder` (each a superset of the last) and the
@@ -38,8 +43,7 @@ which fans the search out over the cluster's workers:
 Memory per task: one chunk (partition), or ``BATCH_ROWS`` queries plus one ``PIECE_ROWS`` piece
 of targets with their metadata (search); a task's arguments are paths, per-chunk cluster bounds
 (chunks × clusters), a batch's probe plan or a bounded query sample, never O(n) (so a worker's
-memory does not grow with the scope). Memory of the driver: O(n) codes, cluster ids and
-positions, the metric's per-unit values, and the memory-mapped tables' pages.
+memory does not grow with the scope). Memory of the driver: no per-row state: O(chunks × clusters × cells) and the bounded calibration samples (ADR-0019).
 
 Scratch: ``<store scratch>/large/<key>/<scope>/`` (the store's scratch folder is given by the caller,
 :func:`cachescore.store.scratch_path`) where ``key`` fingerprints the unit's inputs, design,
