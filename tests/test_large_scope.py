@@ -292,10 +292,10 @@ def test_large_units_are_driven_from_the_client_and_retried(cache_root, client, 
         batch_mod.run_unit(plan.pending[0])
 
 
-def _job(tmp_path, root, backend, **neighbors):
+def _job(tmp_path, root, backend, views=("all",), **neighbors):
     doc = {
         "schema_version": 1,
-        "job": {"cache": str(root), "store": str(tmp_path / f"store-{backend}"), "views": ["all"]},
+        "job": {"cache": str(root), "store": str(tmp_path / f"store-{backend}"), "views": list(views)},
         "metrics": {"families": ["ri", "mari", "croma"], "ri": {"k_candidates": [5, 15]},
                     "mari": {"k_candidates": [5, 15]}, "croma": {"m": [5]}},
         "neighbors": dict({"backend": backend, "large_scope_rows": 1000, "recall_sample": 300}, **neighbors),
@@ -447,3 +447,50 @@ def test_captured_warnings_are_per_thread_and_restore_the_filters():
     assert sinks == {"a": ["note from a"], "b": ["note from b"]}
     with pytest.raises(RuntimeWarning):  # pytest's filterwarnings=error is back
         warnings.warn("outside", RuntimeWarning)
+
+
+def test_large_units_keep_entries_from_the_views_columns_equal_to_the_publications(cache_root, client, tmp_path):
+    """A large unit's score entry (interval, replicates) is computed by a task from the view's own
+    ``group_id`` / label / confounder columns (not the joined frame) and kept; a table from the
+    kept entries equals one computed from the per-unit tables and ``read_view``."""
+    from cachescore.pipeline.execute import execute_plan
+    from cachescore.results import score_table
+    from cachescore.results.memo import EntryMemo, entry_token
+    from cachescore.jobs.sections import as_dict
+    from cachescore.results.scores import BOOTSTRAP_DEFAULTS
+
+    root, _ = cache_root
+    job = _job(tmp_path, root, "exact")
+    plan = plan_job(job)
+    ok, failures = execute_plan(plan, client, out=None, retries=0)
+    assert failures == [] and ok == len(plan.pending)
+    store = ResultsStore(tmp_path / "store-exact")
+    fps = [u.fingerprint for u in plan.pending]
+    bootstrap = dict(BOOTSTRAP_DEFAULTS, **as_dict(job.metrics.bootstrap))
+    support = float(job.report.min_support)
+    kept = EntryMemo(tmp_path / "store-exact", writable=False)
+    assert all(kept.get(entry_token(fp, bootstrap, support)) is not None for fp in fps)
+    computed = score_table(store, Cache(root), fps, bootstrap=bootstrap, min_support=support)
+    from_kept = score_table(store, Cache(root), fps, bootstrap=bootstrap, min_support=support, entries=kept)
+    pd.testing.assert_frame_equal(computed, from_kept)
+    assert computed["ci_low"].notna().all()
+
+
+def test_a_large_view_the_tileset_does_not_know_fails_its_units_by_name(tmp_path, client):
+    """Planning reads a large view's code columns only (no tileset join); a sample id the tileset
+    lacks is then found by the units' scope task on a worker: every unit of that view fails with
+    the view's file and the unknown id named, and the other view is scored."""
+    root = tmp_path / "cache"
+    write_cache(root, n=1800, encoders=("enc0",))
+    frame = Cache(root).read_view("all")[["sample_id", "label", "group_id", "centre"]].copy()
+    write_view(root, "broken", frame, tileset="ts", confounder_column="centre", design="all")
+    frame.loc[5, "sample_id"] = "no-such-tile"  # edited outside cachescore (the writer refuses it)
+    frame.to_parquet(root / "views" / "broken.parquet", index=False)
+    side = root / "views" / "broken.json"
+    side.write_text(json.dumps({k: v for k, v in json.loads(side.read_text()).items() if not k.startswith("table_")}))
+    job = _job(tmp_path, root, "exact", views=["all", "broken"])
+    plan = plan_job(job)
+    assert {u.view for u in plan.pending} == {"all", "broken"}  # planned without the join
+    ok, failures = _run(job, client)
+    assert ok == 3 and len(failures) == 3 and all(f["label"].startswith("enc0/broken/") for f in failures)
+    assert all("no-such-tile" in f["error"] and "broken.parquet" in f["error"] for f in failures), failures

@@ -124,7 +124,8 @@ def test_planning_reads_code_columns_and_finds_what_the_frame_finds(tmp_path, mo
            "job": {"cache": str(tmp_path / "cache"), "store": str(tmp_path / "store"),
                    "views": ["all", "paired", "tiny"]},
            "metrics": {"families": ["ri", "mari", "croma"], "ri": {"k_candidates": [5, 50]},
-                       "croma": {"m": [5, 9]}}}
+                       "croma": {"m": [5, 9]}},
+           "neighbors": {"large_scope_rows": 40}}  # every view is planned as a large one
     job = parse_job(doc)
 
     def facts(lean: bool):

@@ -37,7 +37,9 @@ DEFERRED = ("numba", "pynndescent", "bokeh", "h5py", "croma", "torch", "matplotl
             # imported where used so that every command starts at once (issue 25): scipy (the
             # bootstrap's Spearman), dask.array (lazy cache embeddings), and the CLI's heavy commands
             "scipy", "sklearn", "dask.array", "dask.base", "dask.highlevelgraph",
-            "cachescore.report", "cachescore.pipeline.run", "cachescore.pipeline.watch")
+            "cachescore.report", "cachescore.pipeline.run", "cachescore.pipeline.watch",
+            # the out-of-core reductions (distributed, pyarrow), loaded when a large unit is scored
+            "cachescore.metrics.large")
 
 #: Layer order, lowest first: a package may import only packages at its own level or below.
 LAYERS = [

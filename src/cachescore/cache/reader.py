@@ -284,6 +284,33 @@ class Cache:
         frame.attrs = dict(kept.attrs)
         return frame
 
+    def view_rows(self, view: str) -> int:
+        """Rows of ``view``'s table, from its Parquet footer (nothing else is decoded). Raises as
+        :meth:`read_view` for a view that cannot be read."""
+        spec, data = self._view_pair(view)
+        try:
+            return int(pq.ParquetFile(pa.BufferReader(data)).metadata.num_rows)
+        except (pa.ArrowException, OSError) as exc:
+            raise LayoutError(f"{view_table_path(self.root, view)}: cannot read: {exc}") from exc
+
+    def view_columns(self, view: str, columns) -> pd.DataFrame | None:
+        """``columns`` of ``view``'s own table as a frame in view order, values as stored (text as
+        categoricals: a few bytes a row), without the tileset join of :meth:`read_view`; None
+        when the table lacks one of them (it is then taken from the tileset: use
+        :meth:`read_view`). For per-row look-ups of large views (a score's interval reads
+        ``group_id`` and, for a fallback, the label and confounder). Raises as :meth:`read_view`
+        for a view that cannot be read."""
+        spec, data = self._view_pair(view)
+        columns = list(dict.fromkeys(columns))
+        try:
+            names = pq.read_schema(pa.BufferReader(data)).names
+            if any(c not in names for c in columns):
+                return None
+            table = pq.read_table(pa.BufferReader(data), columns=columns, read_dictionary=columns)
+        except (pa.ArrowException, OSError) as exc:
+            raise LayoutError(f"{view_table_path(self.root, view)}: cannot read: {exc}") from exc
+        return table.to_pandas()
+
     def view_codes(self, view: str, columns, *, strip=()) -> dict | None:
         """Integer codes of ``columns`` of ``view``'s own table, without building its frame:
         ``{column: (codes (n,) int32, names)}`` where equal codes mean equal values

@@ -55,7 +55,6 @@ from .._keys import NUM, Key, growth, int_list, open_unit, positive_int, tau
 from .._missing import as_float, is_missing
 from .bootstrap import balanced_median_replicates, pooled_ratio_replicates
 from .croma import CROMA_ALPHA, CROMA_HEADLINE_M, CROMA_K_GROWTH, CROMA_START_K, CRoMa
-from .large import croma_reduce, mari_reduce, ri_reduce
 from .mari import MaRI
 from .probe_reductions import nipd
 from .ri import RI
@@ -157,6 +156,19 @@ def _k_problem(name: str):
         return None
 
     return problem
+
+
+def _reduce(name: str):
+    """The out-of-core computation ``name`` of :mod:`.large`, imported when a large unit is
+    scored (it needs distributed and pyarrow; every command starts without them)."""
+
+    def reduce(params, ctx):
+        from .large import REDUCERS  # deferred: distributed and pyarrow, for out-of-core units only
+
+        return REDUCERS[name](params, ctx)
+
+    reduce.__name__ = reduce.__qualname__ = name
+    return reduce
 
 
 def _ri_compute(params, features, manifest, *, confounder_column, design, searcher):
@@ -295,7 +307,7 @@ _BUILTIN = (
            reading="the share of same-label (SO) neighbours among the typed ones, 0–1 (0.5 = no preference, "
                    "1 = biology only)",
            keys={"k_candidates": Key((list,), [5, 11, 21], "RI " + _K_DOC, int_list)},
-           units=lambda s: [{"k_candidates": _k_list(s)}], compute=_ri_compute, reduce=ri_reduce, record=_ratio_record,
+           units=lambda s: [{"k_candidates": _k_list(s)}], compute=_ri_compute, reduce=_reduce("ri_reduce"), record=_ratio_record,
            replicates=_ratio_replicates, scope_problem=_k_problem("ri")),
     Family(name="mari", label="MaRI", kind=NEIGHBOUR, value_range=(0.0, 1.0), neutral=0.5, has_support=True,
            doc="Margin-aware RI: the SO share weighted by exp(-distance / tau).",
@@ -304,7 +316,7 @@ _BUILTIN = (
                  "tau": Key((str, int, float), "auto", "MaRI temperature: 'auto' (median typed distance) or a "
                                                       "number > 0.", tau),
                  "warn_tau": Key((bool,), False, "With a pinned tau, run croma's off-scale check (a warning only).")},
-           units=_mari_units, compute=_mari_compute, reduce=mari_reduce, record=_mari_record,
+           units=_mari_units, compute=_mari_compute, reduce=_reduce("mari_reduce"), record=_mari_record,
            replicates=_ratio_replicates,
            scope_problem=_k_problem("mari")),
     Family(name="croma", label="CRoMa", kind=NEIGHBOUR, unit_param="m", margins=True,
@@ -317,7 +329,7 @@ _BUILTIN = (
                  "start_k": Key((int,), CROMA_START_K, "croma's initial window (recorded; the exact typed search does not "
                                              "need it).", positive_int),
                  "k_growth_factor": Key(NUM, CROMA_K_GROWTH, "croma's window growth factor (recorded, as start_k).", growth)},
-           units=_croma_units, compute=_croma_compute, reduce=croma_reduce, record=_croma_record,
+           units=_croma_units, compute=_croma_compute, reduce=_reduce("croma_reduce"), record=_croma_record,
            replicates=_croma_replicates,
            scope_problem=_croma_problem),
     Family(name="apd", label="APD", kind=PROBE, evaluation_field="apd", replicates=_apd_replicates,

@@ -61,7 +61,7 @@ from .tau import (
 from .windows import ScopeTable, pooled_ratio, ratio_from_log, scope_log_totals, typed_distances, unit_scores
 
 __all__ = ["LEAF_ROWS", "OutOfCore", "LargeResult", "pairwise_leaves", "pairwise_total", "select_ranks",
-           "ri_reduce", "mari_reduce", "croma_reduce", "concat_parquet_task"]
+           "ri_reduce", "mari_reduce", "croma_reduce", "concat_parquet_task", "REDUCERS"]
 
 logger = logging.getLogger("cachescore")
 
@@ -653,3 +653,8 @@ def _map_out(ctx: OutOfCore, fn, ref: ScopeRef, outs: list, *args) -> list:
     futures = [ctx.client.submit(fn, ref, lo, hi, *args, out, pure=False, key=task_key("reduce", f"rows{i:05d}"))
                for i, ((lo, hi), out) in enumerate(zip(pairwise_leaves(ref.n), outs))]
     return gather_or_cancel(ctx.client, futures)
+
+
+#: The out-of-core computations by name (what :attr:`cachescore.metrics.families.Family.reduce`
+#: calls, importing this module only when a large unit is scored).
+REDUCERS = {"ri_reduce": ri_reduce, "mari_reduce": mari_reduce, "croma_reduce": croma_reduce}

@@ -137,10 +137,17 @@ def score_large_unit(unit, client):
 
 
 def _keep_entry(store_root: str, cache_root: str, fingerprint: str, tables: dict) -> int:
-    """Worker task: compute and keep the stored unit's score entry (its interval reads the view
-    and the per-unit table; :func:`cachescore.results.scores.keep_entries`)."""
-    return keep_entries(ResultsStore(store_root), Cache(cache_root, mode="r"), [fingerprint],
-                        bootstrap=tables.get("bootstrap"), min_support=float(tables.get("min_support", 0.5)))
+    """Worker task: compute and keep the stored unit's score entry (its interval reads the view's
+    ``group_id``, label and confounder, :meth:`cachescore.cache.Cache.view_columns`, and the
+    per-unit table; :func:`cachescore.results.scores.keep_entries`)."""
+    store, cache = ResultsStore(store_root), Cache(cache_root, mode="r")
+    record = store.record(fingerprint) or {}
+    view = record.get("view")
+    frame = None
+    if view is not None:  # the columns the interval reads, not the joined view (millions of rows)
+        frame = cache.view_columns(view, ["group_id", "label", cache.view_spec(view).confounder_column])
+    return keep_entries(store, cache, [fingerprint], bootstrap=tables.get("bootstrap"),
+                        min_support=float(tables.get("min_support", 0.5)), view_frame=frame)
 
 
 def drive_large_unit(unit, client, run_id: str | None = None, retries: int = 0, tables: dict | None = None) -> UnitOutcome:

@@ -181,7 +181,12 @@ def _code_frame(cache, view: str, confounder: str, design: str):
     paired) as a frame of categoricals over the stripped values, read without building the view
     (:meth:`cachescore.cache.Cache.view_codes`: a few bytes a row, so a view of millions of rows
     is planned in little memory); None when the view's table cannot be read that way (a column
-    taken from the tileset, a column of another type): the caller reads the view."""
+    taken from the tileset, a column of another type): the caller reads the view.
+
+    Used for views of at least ``[neighbors] large_scope_rows`` rows only: the joined frame's
+    own checks (sample ids known to the tileset, no blank values) then run on a worker, in the
+    unit's scope task (:func:`cachescore.pipeline.large_unit.scope_task`), and fail the unit
+    with the same message; smaller views are read whole and refused at planning."""
     columns = ["label", confounder, "group_id"] + (["subset"] if design == "paired_2x2" else [])
     if len(set(columns)) != len(columns):
         return None
@@ -354,7 +359,9 @@ class _Planner:
             spec = self.cache.view_spec(view)
             view_fp = self.fps.view(view)
             design = _design_for(job, getattr(spec, "design", None))
-            frame = _code_frame(self.cache, view, spec.confounder_column, design)
+            frame = None
+            if self.cache.view_rows(view) >= int(job.neighbors.large_scope_rows):
+                frame = _code_frame(self.cache, view, spec.confounder_column, design)
             if frame is None:
                 frame = self.cache.read_view(view)
         except (ValueError, OSError) as exc:
