@@ -227,7 +227,7 @@ def _value_codes(column: pd.Series, *, strip: bool) -> np.ndarray:
     """Dense codes (equal iff the values are equal as text, stripped when ``strip``) of a column; a
     categorical (planning's lean view columns, already normalised) gives its codes, no text."""
     if isinstance(column.dtype, pd.CategoricalDtype):
-        return column.cat.codes.to_numpy(dtype=np.int64)
+        return column.cat.codes.to_numpy(dtype=np.int64)  # categories are distinct: dense codes
     text = column.astype(str)
     return pd.factorize((text.str.strip() if strip else text).to_numpy())[0].astype(np.int64)
 
@@ -243,8 +243,21 @@ def _typed_counts(part: pd.DataFrame, confounder: str):
     c = _value_codes(part[confounder], strip=True)
     g = _value_codes(part["group_id"], strip=False) if "group_id" in part.columns else np.arange(len(part))
     ny, nc = int(y.max()) + 1 if y.size else 1, int(c.max()) + 1 if c.size else 1
-    combos, combo, rows = np.unique((g * ny + y) * nc + c, return_inverse=True, return_counts=True)
+    ng = int(g.max()) + 1 if g.size else 1
+    key = g * (ny * nc)
+    key += y * nc
+    key += c
     del y, c, g
+    if ng * ny * nc <= 4 * key.size + 1024:  # dense codes: count by bincount, no sort of the rows
+        rows = np.bincount(key, minlength=ng * ny * nc)
+        combos = np.flatnonzero(rows)
+        remap = np.zeros(rows.size, dtype=np.int64)
+        remap[combos] = np.arange(combos.size)
+        combo, rows = remap[key], rows[combos]
+        del remap
+    else:
+        combos, combo, rows = np.unique(key, return_inverse=True, return_counts=True)
+    del key
     cg, rest = np.divmod(combos, ny * nc)
     cy, cc = np.divmod(rest, nc)
 

@@ -47,7 +47,7 @@ from .._atomic import atomic_write
 from .._taskkeys import task_key
 from ..neighbors.blocked import gather_or_cancel
 from ..neighbors.large_scope import ScopeRef
-from ..types import TauAssessment
+from ..types import TailMetrics, TauAssessment
 from .croma import SCHEDULE_NOT_COMPUTED, _margins, _require_support
 from .kselect import knn_predictions, normalize_k_values, select_k_all, select_k_paired
 from .tail import compute_tail_metrics, confounder_dominant_fraction
@@ -256,6 +256,10 @@ class LargeResult:
 
 _CODES_LOCK = threading.Lock()
 _CODES: dict = {}
+
+#: Driver side: one unit at a time gathers its per-unit values (8 bytes a row) and takes its
+#: order statistics, so concurrent drivers (``[execution] large_unit_drivers``) hold one column.
+_COLUMN = threading.Lock()
 
 
 def _codes(ref: ScopeRef):
@@ -497,11 +501,19 @@ def _ratio(ctx: OutOfCore, params: dict, tau_param, mari: bool) -> LargeResult:
         else:
             tau = float(tau_param)
     ctx.folder.mkdir(parents=True, exist_ok=True)
+    tables = [_tables(ctx, ref, kmax) for ref in ctx.scopes]  # searched before the column is taken
+    with _COLUMN:
+        return _ratio_score(ctx, params, tau_param, mari, k, kmax, tau, tables)
+
+
+def _ratio_score(ctx: OutOfCore, params: dict, tau_param, mari: bool, k: int, kmax: int, tau,
+                 scope_tables: list) -> LargeResult:
+    """The scoring step of :func:`_ratio` at the operating ``k`` and temperature ``tau``, over
+    each scope's tables (``scope_tables``, scope order), holding the unit's column."""
     values, pooled, parts, log_pairs = [], [], [], []
     n_def = n_units = 0
     type_counts = np.zeros(3, dtype=np.int64)
-    for ref, unit0 in zip(ctx.scopes, ctx.offsets()):
-        tables = _tables(ctx, ref, kmax)
+    for ref, unit0, tables in zip(ctx.scopes, ctx.offsets(), scope_tables):
         outs = [str(ctx.folder / f"part-{unit0 + lo:012d}.parquet") for lo, _ in pairwise_leaves(ref.n)]
         got = _map_out(ctx, _ratio_task, ref, outs, tables, int(k), int(kmax), tau, unit0)
         leaves = pairwise_leaves(ref.n)
@@ -527,9 +539,8 @@ def _ratio(ctx: OutOfCore, params: dict, tau_param, mari: bool) -> LargeResult:
         parts.extend(outs)
     value = pooled[0] if ctx.design == "all" else _paired_pooled(log_pairs, tau)
     values = np.concatenate(values) if values else np.empty(0)
-    sample = values[np.isfinite(values)]
-    tail = compute_tail_metrics(sample, alpha=_RESULT_ALPHA)
-    del values, sample
+    tail = _tail(values, _RESULT_ALPHA)
+    del values
     per_unit = str(ctx.folder / "per_unit.parquet")
     ctx.client.submit(concat_parquet_task, parts, per_unit, pure=False, key=task_key("reduce", "table")).result()
     pair_values = np.asarray(pooled, dtype=np.float64)
@@ -543,6 +554,25 @@ def _ratio(ctx: OutOfCore, params: dict, tau_param, mari: bool) -> LargeResult:
     return LargeResult(value=float(value), std=float(pair_values.std(ddof=0)), q_alpha=tail.q_alpha,
                        ltm_alpha=tail.ltm_alpha, n_pairs=int(pair_values.size), n_units=int(n_units),
                        n_defined=int(n_def), fields=fields, per_unit=per_unit)
+
+
+def _tail(values: np.ndarray, alpha: float):
+    """:func:`~.tail.compute_tail_metrics` of the finite ``values`` (same numbers, bit for bit)
+    with one copy of the column instead of three: the percentile partitions its own copy, and
+    the lower tail is taken from ``values`` in unit order (its mean's pairwise sum needs that
+    order)."""
+    finite = np.isfinite(values)
+    if finite.all():
+        work = values.copy()
+    else:
+        work = values[finite]
+    if work.size == 0:
+        return compute_tail_metrics(work, alpha=alpha)
+    q = float(np.percentile(work, alpha * 100, overwrite_input=True))
+    del work
+    tail = values[finite & (values <= q)]
+    ltm = float(np.mean(tail)) if tail.size else q
+    return TailMetrics(alpha=alpha, q_alpha=q, ltm_alpha=ltm, n_tail_samples=int(tail.size))
 
 
 def _paired_pooled(scopes: list, tau) -> float:
@@ -612,12 +642,21 @@ def croma_reduce(params: dict, ctx: OutOfCore) -> LargeResult:
     if m < 1:
         raise ValueError("m must be >= 1")
     ctx.folder.mkdir(parents=True, exist_ok=True)
-    values, medians, parts = [], [], []
-    for ref, unit0 in zip(ctx.scopes, ctx.offsets()):
+    scope_tables = []
+    for ref in ctx.scopes:  # searched before the column is taken (a scope below 2 rows fails first)
         if ref.n < 2:
             _require_support(np.ones(ref.n, bool), np.zeros(ref.n, bool), dataset=ctx.dataset, design=ctx.design,
                              subset=ref.name, unit=ctx.unit, m=m, n=ref.n, k_final=SCHEDULE_NOT_COMPUTED)
-        tables = ctx.engine.table_files(ref.name, ("so", "os"), m)
+        scope_tables.append(ctx.engine.table_files(ref.name, ("so", "os"), m))
+    with _COLUMN:
+        return _croma_score(ctx, params, m, scope_tables)
+
+
+def _croma_score(ctx: OutOfCore, params: dict, m: int, scope_tables: list) -> LargeResult:
+    """:func:`croma_reduce`'s scoring over each scope's typed tables, holding the unit's column
+    (:data:`_COLUMN`)."""
+    values, medians, parts = [], [], []
+    for ref, unit0, tables in zip(ctx.scopes, ctx.offsets(), scope_tables):
         outs = [str(ctx.folder / f"part-{unit0 + lo:012d}.parquet") for lo, _ in pairwise_leaves(ref.n)]
         got = _map_out(ctx, _croma_task, ref, outs, tables, m, unit0)
         unresolved = np.int64(sum(g[1] for g in got))
@@ -635,7 +674,7 @@ def croma_reduce(params: dict, ctx: OutOfCore) -> LargeResult:
     std = float(finite.std(ddof=0)) if finite.size > 1 else 0.0
     unit_values = np.concatenate(values).astype(float) if values else np.empty(0, dtype=float)
     del values
-    tail = compute_tail_metrics(unit_values, alpha=float(params.get("alpha", _RESULT_ALPHA)))
+    tail = _tail(unit_values, float(params.get("alpha", _RESULT_ALPHA)))
     f0 = confounder_dominant_fraction(unit_values)
     n_units = int(unit_values.size)
     del unit_values
