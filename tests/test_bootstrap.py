@@ -171,3 +171,15 @@ def test_errors():
         ours.paired_rank_stability({"a": np.zeros(2)}, np.zeros(3))
     with pytest.raises(ValueError, match="same shape"):
         ours.bootstrap_spearman(np.zeros(3), np.zeros(4))
+
+
+def test_counts_drawn_in_blocks_equal_one_draw():
+    """Issue 26: the (replicates x clusters) counts are drawn a block of replicates at a time, so
+    a view of 10^4+ slides never holds the whole pick matrix; the stream and the counts are those
+    of one draw (croma's rule)."""
+    from cachescore.metrics import bootstrap as b
+
+    for k in (1, 5, 300, 4099):
+        for n_boot in (1, 7, b._REPLICATE_BLOCK, b._REPLICATE_BLOCK + 1, 2000):
+            whole = b._multiplicities(b._draw(np.random.default_rng(3), n_boot, k), k)
+            np.testing.assert_array_equal(b._drawn_multiplicities(np.random.default_rng(3), n_boot, k), whole)

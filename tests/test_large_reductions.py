@@ -83,6 +83,24 @@ def test_distributed_selection_returns_the_sorted_order_statistics():
         assert large.exact_median(run, allv.size) == float(np.median(allv))
 
 
+def test_lower_tail_statistics_with_one_copy_equal_compute_tail_metrics():
+    from cachescore.metrics.tail import compute_tail_metrics
+
+    rng = np.random.default_rng(2)
+    for trial in range(120):
+        n = int(rng.integers(0, 4000))
+        v = rng.standard_normal(n) * np.exp(rng.standard_normal(n))
+        if trial % 3 == 0 and n:
+            v[rng.integers(0, n, n // 5)] = np.nan  # undefined units
+        if trial % 5 == 0:
+            v = np.round(v, 1)  # ties at the percentile
+        for alpha in (0.0, 0.1, 0.25, 1.0):
+            want = compute_tail_metrics(v[np.isfinite(v)], alpha=alpha)
+            got = large._tail(v, alpha)
+            np.testing.assert_array_equal([got.q_alpha, got.ltm_alpha, got.n_tail_samples],
+                                          [want.q_alpha, want.ltm_alpha, want.n_tail_samples])
+
+
 # -- the metrics, against the metric API over the same tables ------------------------------------
 
 

@@ -118,7 +118,9 @@ def _weighted_medians(values: np.ndarray, member: np.ndarray, counts: np.ndarray
     block_of = np.arange(n) // width
     per_block = np.bincount(mem * n_blocks + block_of, minlength=k * n_blocks).reshape(k, n_blocks)
     per_block = per_block.astype(np.float64)
-    step = max(1, _CHUNK_ENTRIES // max(width, n_blocks))
+    # replicates per step: the (step, K) float counts and the (step, width) gathers both bounded
+    # (the entries are exact integers, so the steps do not change a bit of the result)
+    step = max(1, _CHUNK_ENTRIES // max(width, n_blocks, k))
     offsets = np.arange(width)
     for s in range(0, n_rep, step):
         c = counts[s : s + step].astype(np.float64)  # multiplicities: integers, exact in float64
@@ -324,7 +326,7 @@ def bootstrap_spearman(x, y, *, n_boot: int = 2000, level: float = 0.95, seed: i
 
 def cluster_counts(cluster_ids, *, n_boot: int = 2000, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """``(member, counts)``: every row's cluster number (clusters = distinct IDs, stable-sorted) and
-    ``counts[b, c]``, how often replicate ``b`` drew cluster ``c`` (``(n_boot, K)`` int64; the
+    ``counts[b, c]``, how often replicate ``b`` drew cluster ``c`` (``(n_boot, K)`` int32; the
     croma draw rule: ``rng.integers(0, K, K)`` per replicate from ``default_rng(seed)``)."""
     member, k = _cluster_index(np.asarray(cluster_ids))
     if k == 0:
@@ -338,11 +340,27 @@ _COUNTS: dict = {}
 _COUNTS_MAX = 16
 
 
+#: Replicates drawn, counted or multiplied at a time: the (replicates, clusters) temporaries stay
+#: a block whatever ``n_boot`` (a multiple of 16: BLAS kernels unroll rows by up to 16, so a block
+#: computes each replicate as the whole product does).
+_REPLICATE_BLOCK = 256
+
+
+def _drawn_multiplicities(rng: np.random.Generator, n_boot: int, k: int) -> np.ndarray:
+    """``_multiplicities(_draw(rng, n_boot, k), k)`` drawn :data:`_REPLICATE_BLOCK` replicates at a
+    time (the same stream, the same counts): the picks and their flat index never exist whole."""
+    out = np.empty((int(n_boot), int(k)), dtype=np.int32)  # a multiplicity is at most K < 2**31
+    for a in range(0, int(n_boot), _REPLICATE_BLOCK):
+        b = min(int(n_boot), a + _REPLICATE_BLOCK)
+        out[a:b] = _multiplicities(_draw(rng, b - a, k), k)
+    return out
+
+
 def _counts(n_boot: int, seed: int, k: int) -> np.ndarray:
     key = (n_boot, seed, k)
     counts = _COUNTS.get(key)
     if counts is None:
-        counts = _multiplicities(_draw(np.random.default_rng(seed), n_boot, k), k)
+        counts = _drawn_multiplicities(np.random.default_rng(seed), n_boot, k)
         counts.flags.writeable = False  # shared: a caller writing into it would change every later draw
         if len(_COUNTS) >= _COUNTS_MAX:
             _COUNTS.pop(next(iter(_COUNTS)))
@@ -360,8 +378,10 @@ def pooled_ratio_replicates(so, os, member, counts) -> np.ndarray:
     k = counts.shape[1]
     s_g = np.bincount(member, weights=so, minlength=k)
     o_g = np.bincount(member, weights=os_, minlength=k)
-    cf = counts.astype(np.float64)
-    s, o = cf @ s_g, cf @ o_g
+    s, o = np.empty(counts.shape[0]), np.empty(counts.shape[0])
+    for a in range(0, counts.shape[0], _REPLICATE_BLOCK):  # a block of float64 counts at a time
+        cf = counts[a : a + _REPLICATE_BLOCK].astype(np.float64)
+        s[a : a + cf.shape[0]], o[a : a + cf.shape[0]] = cf @ s_g, cf @ o_g
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(s + o >= _TINY, s / (s + o), np.nan)
 

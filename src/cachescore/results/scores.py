@@ -107,6 +107,33 @@ class _Views:
         return got[1], got[2]
 
 
+def _text_keys(column: pd.Series) -> np.ndarray:
+    """Keys of a column's values as text (``astype(str)``): the text itself, or for a categorical
+    (a large view's or table's lean columns) integers numbered in sorted text order, so equal
+    texts share a key and keys sort as the texts do (what cluster numbering and the fallback
+    checks need), without a string per row."""
+    if isinstance(column.dtype, pd.CategoricalDtype):
+        names = np.asarray([str(c) for c in column.cat.categories], dtype=object).astype(str)
+        _, rank = np.unique(names, return_inverse=True)
+        return rank.astype(np.int64)[column.cat.codes.to_numpy()]
+    return column.astype(str).to_numpy()
+
+
+def _by_text(column: pd.Series):
+    """``(text, row mask)`` for each distinct text of a column (``astype(str)``), in sorted order."""
+    if isinstance(column.dtype, pd.CategoricalDtype):
+        texts = [str(c) for c in column.cat.categories]
+        codes = column.cat.codes.to_numpy()
+        for t in sorted(set(texts)):
+            mask = np.isin(codes, [i for i, x in enumerate(texts) if x == t])
+            if mask.any():  # a category no row holds is no scope
+                yield t, mask
+        return
+    values = column.astype(str).to_numpy()
+    for t in sorted(set(values.tolist())):
+        yield t, values == t
+
+
 def _one_value(values: np.ndarray) -> bool:
     """Fewer than two distinct values (``np.unique(values).size < 2`` without sorting strings)."""
     return values.size == 0 or not bool((values != values[0]).any())
@@ -120,11 +147,9 @@ def _fallback_reason(family, record: dict, per_unit: pd.DataFrame, frame: pd.Dat
         if int(record.get("n_defined") or 0) == 0:
             return "support 0: no unit has an SO or OS neighbour, the value is the 0.5 fallback"
         rows = per_unit["source_index"].to_numpy(dtype=np.int64)
-        subsets = per_unit["subset"].astype(str).to_numpy()
-        conf = frame[confounder].astype(str).to_numpy()[rows] if confounder in frame.columns else None
-        lab = frame["label"].astype(str).to_numpy()[rows] if "label" in frame.columns else None
-        for s in sorted(set(subsets.tolist())):
-            sel = subsets == s
+        conf = _text_keys(frame[confounder])[rows] if confounder in frame.columns else None
+        lab = _text_keys(frame["label"])[rows] if "label" in frame.columns else None
+        for s, sel in _by_text(per_unit["subset"]):
             where = "the view" if s == "dataset" else f"scope {s!r}"
             if conf is not None and _one_value(conf[sel]):
                 return f"{where} has a single {confounder!r} value: RI/MaRI are not defined (no OS neighbour)"
@@ -144,7 +169,7 @@ def _metric_entry(fp: str, record: dict, store, views: _Views, bootstrap: dict, 
                   per_unit: pd.DataFrame | None = None) -> dict:
     family = families.lookup(record.get("metric"))
     view, design = record.get("view"), record.get("design")
-    per_unit = store.per_unit(fp) if per_unit is None else per_unit
+    per_unit = store.per_unit(fp, text_as_categories=True) if per_unit is None else per_unit
     missing = [c for c in ("source_index", "subset", "value") if c not in per_unit.columns]
     if missing:  # a record written by something else than result_record: no units to resample
         return _entry(record, fp, None, f"not available: the per-unit table lacks {', '.join(missing)}", bootstrap,
@@ -152,9 +177,9 @@ def _metric_entry(fp: str, record: dict, store, views: _Views, bootstrap: dict, 
                       low_support=_low_support(family, record, min_support))
     frame, confounder = views.frame(view)
     rows = per_unit["source_index"].to_numpy(dtype=np.int64)
-    groups = frame["group_id"].astype(str).to_numpy()[rows]
+    groups = _text_keys(frame["group_id"])[rows]
     member, counts = views.draw(view, design, groups)
-    subsets = per_unit["subset"].astype(str).to_numpy() if design == "paired_2x2" else None
+    subsets = _text_keys(per_unit["subset"]) if design == "paired_2x2" else None
     reps, method = None, f"not available: metric family {record.get('metric')!r} has no interval rule"
     if family is not None and family.replicates is not None:
         reps, method = family.replicates(per_unit, member, counts, subsets)

@@ -320,8 +320,10 @@ class ResultsStore:
         (null -> NaN), nullable ``Int64``, ``datetime64[us, UTC]``."""
         return rows_to_frame(self._score_rows(), SCORES_SCHEMA)
 
-    def per_unit(self, fp: str) -> pd.DataFrame:
+    def per_unit(self, fp: str, *, text_as_categories: bool = False) -> pd.DataFrame:
         """The per-unit table stored with ``fp`` (an empty frame if none was stored).
+        ``text_as_categories``: text columns come back as categoricals (a few bytes a row: what
+        a score's interval reads of a table of millions of units), values unchanged.
 
         Raises ``KeyError`` if no record exists and :class:`CorruptRecordError` (a ``KeyError``)
         if it is damaged (its table missing, truncated or off its checksum).
@@ -337,7 +339,11 @@ class ResultsStore:
         data = (self._unit_json(fp).parent / pu["file"]).read_bytes()
         if hashlib.sha256(data).hexdigest() != pu["sha256"]:
             raise CorruptRecordError(f"per-unit table of {fp} in {self.path} does not match its checksum; recompute the unit")
-        return pq.read_table(io.BytesIO(data)).to_pandas()
+        if not text_as_categories:
+            return pq.read_table(io.BytesIO(data)).to_pandas()
+        schema = pq.read_schema(io.BytesIO(data))
+        text = [f.name for f in schema if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)]
+        return pq.read_table(io.BytesIO(data), read_dictionary=text).to_pandas()
 
     def failures(self) -> pd.DataFrame:
         """Failed units without a later success, with :data:`~cachescore.store.schema.FAILURES_SCHEMA` columns."""
