@@ -32,9 +32,15 @@ _VOLATILE = {"fingerprint", "unit_fingerprint", "run_id", "finished_at", "second
              "code_version", "bundle"}
 
 
+def _timing(key: str) -> bool:
+    """Wall-clock figures nested in a record (an out-of-core unit's ``neighbour_search``
+    details: ``seconds_partition``, ``search_task_seconds``, ...)."""
+    return key.startswith("seconds_") or key.endswith("_seconds")
+
+
 def _strip(obj):
     if isinstance(obj, dict):
-        return {k: _strip(v) for k, v in sorted(obj.items()) if k not in _VOLATILE}
+        return {k: _strip(v) for k, v in sorted(obj.items()) if k not in _VOLATILE and not _timing(k)}
     if isinstance(obj, list):
         return [_strip(v) for v in obj]
     return obj

@@ -225,9 +225,10 @@ def _croma_replicates(per_unit: pd.DataFrame, member, counts, subsets):
 
 def _value_codes(column: pd.Series, *, strip: bool) -> np.ndarray:
     """Dense codes (equal iff the values are equal as text, stripped when ``strip``) of a column; a
-    categorical (planning's lean view columns, already normalised) gives its codes, no text."""
+    categorical (planning's lean view columns, already normalised) gives its own codes (its
+    categories are distinct; a small integer type), no text."""
     if isinstance(column.dtype, pd.CategoricalDtype):
-        return column.cat.codes.to_numpy(dtype=np.int64)  # categories are distinct: dense codes
+        return column.cat.codes.to_numpy()
     text = column.astype(str)
     return pd.factorize((text.str.strip() if strip else text).to_numpy())[0].astype(np.int64)
 
@@ -244,15 +245,16 @@ def _typed_counts(part: pd.DataFrame, confounder: str):
     g = _value_codes(part["group_id"], strip=False) if "group_id" in part.columns else np.arange(len(part))
     ny, nc = int(y.max()) + 1 if y.size else 1, int(c.max()) + 1 if c.size else 1
     ng = int(g.max()) + 1 if g.size else 1
-    key = g * (ny * nc)
-    key += y * nc
-    key += c
+    kt = np.int32 if ng * ny * nc < 2**31 else np.int64  # 4 bytes a row on any realistic view
+    key = g.astype(kt) * kt(ny * nc)
+    key += (y.astype(kt) * kt(nc))
+    key += c.astype(kt)
     del y, c, g
     if ng * ny * nc <= 4 * key.size + 1024:  # dense codes: count by bincount, no sort of the rows
         rows = np.bincount(key, minlength=ng * ny * nc)
         combos = np.flatnonzero(rows)
-        remap = np.zeros(rows.size, dtype=np.int64)
-        remap[combos] = np.arange(combos.size)
+        remap = np.zeros(rows.size, dtype=kt)
+        remap[combos] = np.arange(combos.size, dtype=kt)
         combo, rows = remap[key], rows[combos]
         del remap
     else:
