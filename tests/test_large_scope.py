@@ -253,7 +253,7 @@ def test_no_task_receives_an_argument_that_grows_with_the_scope(cache_root, clie
     search.cross(None, sc.groups, 15)
     search.typed(None, sc.labels, sc.confounders, sc.groups, 5)
     names = {name for name, _ in spy.rows}
-    assert {"sample_task", "chunk_task", "search_task"} <= names and ("brute_task" in names) != exact
+    assert {"centroid_task", "chunk_task", "search_task"} <= names and ("brute_task" in names) != exact
     bound = max(ls.files.KMEANS_MAX_SAMPLE, ls.files.CALIBRATION_QUERIES + 300, math.ceil(3600 / ls.files.ROWS_PER_CLUSTER) + 1)
     assert bound < sc.n == 3600
     assert max(rows for _, rows in spy.rows) <= bound, sorted(spy.rows, key=lambda r: -r[1])[:5]

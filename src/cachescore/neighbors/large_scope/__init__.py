@@ -7,7 +7,7 @@ module, which fans the search out over the cluster's workers. Its scopes arrive 
 the API may pass :class:`ScopeRows` (arrays), which the engine writes to scratch first:
 
 1. **Partition** (once per scope, shared by every unit of that scope):
-   a sample of rows is read from the cache and normalised, and a spherical k-means gives ``C``
+   a sample of rows is read from the cache and normalised, and a spherical k-means (one task on a worker: only the centroids come back) gives ``C``
    centroids (``C = ceil(n / ROWS_PER_CLUSTER)``); then one task per *chunk* of the scope's rows
    (``CHUNK_BYTES`` of embeddings) reads its rows **from the cache on the worker**, checks them
    (NaN/inf name the view rows), normalises them (croma's two-step rule, spec §1.7), assigns each

@@ -27,7 +27,6 @@ from ..partition import (
     probe_distances,
     probe_ladder,
     probed_clusters,
-    spherical_kmeans,
 )
 from ..recall import RecallTargetError, distance_tol, recall_counts
 from ..topk import merge_tables
@@ -44,7 +43,7 @@ from .files import (
     meta_name,
     npy_header,
 )
-from .tasks import brute_task, chunk_task, position_task, sample_task, search_task
+from .tasks import brute_task, centroid_task, chunk_task, position_task, search_task
 
 
 @dataclass(frozen=True)
@@ -217,11 +216,9 @@ class LargeScopeSearch:
         n, dim = ref.n, int(meta.dim)
         files = ref.files()
         c = max(1, math.ceil(n / tunables.ROWS_PER_CLUSTER))
-        rng = np.random.default_rng([self.seed, 17])
-        sample = np.sort(rng.choice(n, size=min(n, tunables.KMEANS_MAX_SAMPLE, max(tunables.KMEANS_MIN_SAMPLE, 48 * c)), replace=False))
-        x = self.client.submit(sample_task, files, sample, pure=False, key=task_key("partition", "sample")).result()
-        centroids = spherical_kmeans(x, c, random_state=rng)
-        del x
+        size = min(n, tunables.KMEANS_MAX_SAMPLE, max(tunables.KMEANS_MIN_SAMPLE, 48 * c))
+        centroids = self.client.submit(centroid_task, files, n, c, size, self.seed, pure=False,
+                                       key=task_key("partition", "centroids")).result()
         step = max(1, tunables.CHUNK_BYTES // (dim * 4))
         bounds = list(range(0, n, step))
         cent_f = self.client.scatter(centroids, broadcast=True, hash=False)

@@ -1,4 +1,4 @@
-"""Worker task bodies of the out-of-core engine: read a sample, partition a chunk, brute-force
+"""Worker task bodies of the out-of-core engine: centroids from a sample, partition a chunk, brute-force
 exact answers per chunk, search one batch of query clusters. Every argument is bounded by
 ``chunks x clusters`` or a query sample, never O(n)."""
 
@@ -16,6 +16,7 @@ from ..._atomic import atomic_write
 from ..normalize import normalize_rows
 from ..partition import (
     assign_clusters,
+    spherical_kmeans,
     topk_tiles,
 )
 from . import (
@@ -42,10 +43,16 @@ def read_scope_rows(embeddings: RowSource, tile_rows, positions, source) -> np.n
 # batch's probe plan, a bounded query sample); rows, codes and positions are read from scratch files.
 
 
-def sample_task(files: ScopeFiles, positions: np.ndarray) -> np.ndarray:
-    """Normalised rows of the scope ``positions`` (a bounded sample), read from the cache."""
+def centroid_task(files: ScopeFiles, n: int, c: int, size: int, seed: int) -> np.ndarray:
+    """The partition's centroids ((c, d) float32): a seeded sample of ``size`` of the scope's ``n``
+    rows read from the cache and normalised, then :func:`~cachescore.neighbors.partition.spherical_kmeans`
+    with the same generator. On a worker: the sample (up to ``KMEANS_MAX_SAMPLE`` rows) and the
+    k-means distance blocks never reach the driver; only the centroids go back."""
     with single_thread_blas():
-        return read_scope_rows(files.embeddings, files.tile_rows_at(positions), positions, files.source)
+        rng = np.random.default_rng([int(seed), 17])
+        positions = np.sort(rng.choice(int(n), size=int(size), replace=False))
+        x = read_scope_rows(files.embeddings, files.tile_rows_at(positions), positions, files.source)
+        return spherical_kmeans(x, int(c), random_state=rng)
 
 
 def chunk_task(files: ScopeFiles, start: int, stop: int, centroids: np.ndarray, path: str, meta_path: str,
