@@ -384,6 +384,7 @@ def test_pipeline_large_ann_units_record_recall(cache_root, client, tmp_path):
         r = recs[(u.encoder, u.metric)]
         assert r.recall >= 0.99 and r.backend == "ann", u.label
         search = json.loads(r.extra)["neighbour_search"]
+        assert len(search) == 1, search  # one table per unit of this one-scope view, listed once
         assert all(d["probe_fraction"] < 1 for d in search), search  # it pruned
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

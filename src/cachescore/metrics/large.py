@@ -212,6 +212,16 @@ class OutOfCore:
     design: str
     folder: Path
     label: str = ""
+    _tables: dict = field(default_factory=dict, repr=False)
+
+    def tables(self, ref: ScopeRef, kinds: tuple, k: int) -> dict:
+        """The scope's table files of ``kinds`` at ``k`` (:meth:`LargeScopeSearch.table_files`),
+        asked of the engine once per unit (its details list one search per table, as the metric
+        API's calls do)."""
+        key = (ref.name, tuple(kinds), int(k))
+        if key not in self._tables:
+            self._tables[key] = self.engine.table_files(ref.name, tuple(kinds), int(k))
+        return self._tables[key]
 
     @property
     def client(self):
@@ -424,7 +434,7 @@ def _width(ref: ScopeRef, kmax: int) -> int:
 
 
 def _tables(ctx: OutOfCore, ref: ScopeRef, kmax: int) -> dict:
-    return ctx.engine.table_files(ref.name, ("cross",), _width(ref, kmax))
+    return ctx.tables(ref, ("cross",), _width(ref, kmax))
 
 
 def _select_k(ctx: OutOfCore, candidates: list[int], width_k: int) -> int:
@@ -647,7 +657,7 @@ def croma_reduce(params: dict, ctx: OutOfCore) -> LargeResult:
         if ref.n < 2:
             _require_support(np.ones(ref.n, bool), np.zeros(ref.n, bool), dataset=ctx.dataset, design=ctx.design,
                              subset=ref.name, unit=ctx.unit, m=m, n=ref.n, k_final=SCHEDULE_NOT_COMPUTED)
-        scope_tables.append(ctx.engine.table_files(ref.name, ("so", "os"), m))
+        scope_tables.append(ctx.tables(ref, ("so", "os"), m))
     with _COLUMN:
         return _croma_score(ctx, params, m, scope_tables)
 

@@ -42,6 +42,7 @@ from .files import (
     load_npz,
     meta_name,
     npy_header,
+    read_rows_at,
 )
 from .tasks import brute_task, centroid_task, chunk_task, position_task, search_task
 
@@ -66,9 +67,7 @@ class Partition:
         chunk = positions // self.step
         for j in np.unique(chunk).tolist():
             sel = np.flatnonzero(chunk == j)
-            mm = np.load(self.cluster_paths[j], mmap_mode="r")
-            out[sel] = mm[positions[sel] - j * self.step]
-            del mm
+            out[sel] = read_rows_at(self.cluster_paths[j], positions[sel] - j * self.step, 1, np.int32)[:, 0]
         return out
 
 
@@ -286,9 +285,7 @@ class LargeScopeSearch:
             else:
                 hits = total = 0
                 for kind in kinds:
-                    mm = np.load(_filling(folder, kind, "dist"), mmap_mode="r")
-                    found = np.array(mm[audit])
-                    del mm
+                    found = read_rows_at(str(_filling(folder, kind, "dist")), audit, k, np.float64)
                     h, t = recall_counts(found, truth[kind][1], tol)
                     hits, total = hits + h, total + t
                 recall, n_audit = (1.0 if total == 0 else hits / total), int(audit.size)

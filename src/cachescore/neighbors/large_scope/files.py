@@ -117,6 +117,22 @@ def read_row_runs(path: str, runs, dim: int, dtype: np.dtype, offset: int, out: 
     return out
 
 
+def read_rows_at(path: str, positions, width: int, dtype) -> np.ndarray:
+    """Rows ``positions`` (any order, repeats allowed) of the C-ordered ``.npy`` at ``path`` with
+    ``width`` items of ``dtype`` a row, in the given order: plain reads of the distinct rows (runs
+    of consecutive ones together), no memory map, so a driver reading a sample's rows of a table
+    of millions holds only those rows (a map would keep every page it touched resident)."""
+    positions = np.asarray(positions, dtype=np.int64)
+    dtype = np.dtype(dtype)
+    if positions.size == 0:
+        return np.empty((0, width), dtype=dtype)
+    rows, inverse = np.unique(positions, return_inverse=True)
+    cuts = np.flatnonzero(np.diff(rows) != 1) + 1
+    runs = [(int(r[0]), int(r[-1]) + 1) for r in np.split(rows, cuts)]
+    got = read_row_runs(path, runs, width, dtype, npy_header(path)[0])
+    return got[inverse]
+
+
 def write_rows(path: str, offset: int, positions: np.ndarray, values: np.ndarray) -> None:
     """Write ``values[i]`` as row ``positions[i]`` of the C-ordered 2-D ``.npy`` at ``path`` (data
     at byte ``offset``, rows of ``values.shape[1]`` items of ``values.dtype``), in place.
@@ -246,11 +262,7 @@ class ScopeRef:
 
     def codes_at(self, positions) -> np.ndarray:
         """(len(positions), 4) int64 rows of ``rows.npy`` at ``positions`` (a small sample)."""
-        mm = np.load(self.rows_path, mmap_mode="r")
-        try:
-            return np.array(mm[np.asarray(positions, dtype=np.int64)])
-        finally:
-            del mm
+        return read_rows_at(self.rows_path, positions, len(INDEX_COLUMNS), np.int64)
 
     def to_json(self) -> dict:
         return {"rows_path": self.rows_path, "n": self.n, "max_group": self.max_group, "min_group": self.min_group,
@@ -290,11 +302,7 @@ class ScopeFiles:
 
     def tile_rows_at(self, positions) -> np.ndarray:
         """The tileset rows of the scope ``positions`` (a bounded sample), read off ``rows.npy``."""
-        mm = np.load(self.rows_path, mmap_mode="r")
-        try:
-            return np.array(mm[np.asarray(positions, dtype=np.int64), 0])
-        finally:
-            del mm
+        return read_rows_at(self.rows_path, positions, len(INDEX_COLUMNS), np.int64)[:, 0]
 
     def index(self, start: int, stop: int) -> np.ndarray:
         """``rows.npy[start:stop]``: (stop - start, 4) int64."""
