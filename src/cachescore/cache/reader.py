@@ -313,7 +313,7 @@ class Cache:
 
     def view_codes(self, view: str, columns, *, strip=()) -> dict | None:
         """Integer codes of ``columns`` of ``view``'s own table, without building its frame:
-        ``{column: (codes (n,) int32, names)}`` where equal codes mean equal values
+        ``{column: (codes (n,) int8 / int16 / int32, names)}`` where equal codes mean equal values
         (``str(value)``, stripped for the columns in ``strip``) and ``names[code]`` is the value.
         O(n) small integers and the distinct values only, for planning checks on views of
         millions of rows. None when the table lacks a column, holds nulls in one, or a column is
@@ -356,7 +356,9 @@ class Cache:
             order = np.argsort(names, kind="stable")
             rank = np.empty(order.size, dtype=np.int32)
             rank[order] = np.arange(order.size, dtype=np.int32)
-            out[name] = (rank[codes], [str(v) for v in names[order]])
+            np.take(rank, codes, out=codes)  # in place: sorted-value codes
+            small = np.int8 if order.size <= 127 else np.int16 if order.size <= 32767 else np.int32
+            out[name] = (codes.astype(small, copy=False), [str(v) for v in names[order]])
         return out
 
     def _parse_view(self, view: str, spec, data: bytes) -> pd.DataFrame:
