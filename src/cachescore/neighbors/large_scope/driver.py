@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from distributed import Lock
+from distributed import Lock, as_completed
 
 from ..._taskkeys import task_key
 from ..._atomic import atomic_write_json
@@ -354,8 +354,16 @@ class LargeScopeSearch:
                                       key=task_key("calibrate", f"chunk{j:05d}"))
                    for j in range(len(part.layout.paths))]
         merged = None
-        for found in gather_or_cancel(self.client, futures):
-            merged = found if merged is None else {kd: merge_tables(merged[kd], found[kd], k) for kd in kinds}
+        try:  # merged as they finish (a (distance, index) merge: any order gives the same top-k),
+            # so the driver holds one chunk's answers at a time, not one per chunk
+            for fut in as_completed(futures):
+                found = fut.result()
+                merged = found if merged is None else {kd: merge_tables(merged[kd], found[kd], k) for kd in kinds}
+                fut.release()
+                del found
+        except BaseException:
+            self.client.cancel(futures)
+            raise
         del qv_f
         nc = calib.size
         truth = {kd: (merged[kd][0][nc:], merged[kd][1][nc:]) for kd in kinds}
