@@ -495,3 +495,17 @@ def test_a_large_view_the_tileset_does_not_know_fails_its_units_by_name(tmp_path
     ok, failures = _run(job, client)
     assert ok == 3 and len(failures) == 3 and all(f["label"].startswith("enc0/broken/") for f in failures)
     assert all("no-such-tile" in f["error"] and "broken.parquet" in f["error"] for f in failures), failures
+
+
+def test_ann_units_run_with_a_client_that_is_not_the_default(cache_root, tmp_path):
+    """``cachescore run --scheduler`` connects a client that is not the process default: nothing in
+    a large unit may look for a default client (an ANN unit's calibration merges its answers as
+    they finish)."""
+    from distributed import Client, LocalCluster
+
+    root, _ = cache_root
+    job = _job(tmp_path, root, "ann", recall_target=0.99)
+    with LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster, set_as_default=False) as c:
+        ok, failures = _run(job, c)
+    assert failures == [] and ok == 6  # two encoders x RI, MaRI, CRoMa

@@ -356,7 +356,7 @@ class LargeScopeSearch:
         merged = None
         try:  # merged as they finish (a (distance, index) merge: any order gives the same top-k),
             # so the driver holds one chunk's answers at a time, not one per chunk
-            for fut in as_completed(futures):
+            for fut in as_completed(futures, loop=self.client.loop):  # this client's, not a default one
                 found = fut.result()
                 merged = found if merged is None else {kd: merge_tables(merged[kd], found[kd], k) for kd in kinds}
                 fut.release()
