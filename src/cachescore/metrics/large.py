@@ -204,14 +204,13 @@ def exact_median(run, count: int) -> float:
 class OutOfCore:
     """What an out-of-core reduction works with: the engine (its client and tables), the
     scopes in the metric's scope order, the view's dataset name and design, and the folder the
-    per-unit table is assembled in. ``label`` prefixes error messages (encoder/view)."""
+    per-unit table is assembled in."""
 
     engine: object  # LargeScopeSearch
     scopes: list  # [ScopeRef], scope order
     dataset: str
     design: str
     folder: Path
-    label: str = ""
     _tables: dict = field(default_factory=dict, repr=False)
 
     def tables(self, ref: ScopeRef, kinds: tuple, k: int) -> dict:

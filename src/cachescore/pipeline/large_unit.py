@@ -123,7 +123,7 @@ def score_large_unit(unit, client):
         features = np.zeros((len(manifest), 0), dtype=np.dtype(info["dtype"]))
         return score_unit(unit, features, manifest, searcher=searcher)
     ctx = OutOfCore(engine=searcher, scopes=list(refs.values()), dataset=info["dataset"], design=info["design"],
-                    folder=scratch / "units" / unit.fingerprint, label=f"{unit.encoder}/{unit.view}")
+                    folder=scratch / "units" / unit.fingerprint)
     try:
         result = family.reduce(unit.params, ctx)
     except RuntimeError as exc:
