@@ -346,6 +346,14 @@ def _typed_task(ref: ScopeRef, lo: int, hi: int, tables: dict, k: int, requests:
     return key_requests(_sortable(d), requests), int(d.size)
 
 
+def _identity_columns(ref: ScopeRef, lo: int, hi: int, unit0: int) -> dict:
+    """The per-unit table's first columns for scope rows ``lo:hi`` (the scope's units start at
+    unit ``unit0``): ``unit``, ``source_index`` (view row), ``subset``, as ``result_record`` writes them."""
+    sources = _rows(ref.sources_path, lo, hi) if ref.sources_path else np.arange(lo, hi, dtype=np.int64)
+    return {"unit": np.arange(unit0 + lo, unit0 + hi, dtype=np.int64), "source_index": sources.astype(np.int64),
+            "subset": np.full(hi - lo, ref.name if ref.name is not None else "dataset", dtype=object).astype(str)}
+
+
 def _fragment(path: str, frame: pd.DataFrame) -> None:
     table = pa.Table.from_pandas(frame, preserve_index=False)
     atomic_write(Path(path), lambda fh: pq.write_table(table, fh))
@@ -357,11 +365,8 @@ def _ratio_task(ref: ScopeRef, lo: int, hi: int, tables: dict, k: int, kmax: int
     with ``counts = (defined, types 1, 2, 3)`` and the sums over this leaf (``np.add.reduce``)."""
     table, valid = _range_table(ref, tables, lo, hi, kmax, with_dist=tau is not None)
     s = unit_scores(table, valid, [k], tau, offset=lo)[int(k)]
-    sources = _rows(ref.sources_path, lo, hi) if ref.sources_path else np.arange(lo, hi, dtype=np.int64)
     frame = pd.DataFrame({
-        "unit": np.arange(unit0 + lo, unit0 + hi, dtype=np.int64),
-        "source_index": sources.astype(np.int64),
-        "subset": np.full(hi - lo, ref.name if ref.name is not None else "dataset", dtype=object).astype(str),
+        **_identity_columns(ref, lo, hi, unit0),
         "value": s.values.astype(np.float64),
         "defined": s.defined.astype(bool),
         "undefined_type": s.types.astype(np.int64).astype(str),
@@ -385,11 +390,8 @@ def _croma_task(ref: ScopeRef, lo: int, hi: int, tables: dict, m: int, unit0: in
     so = _rows(tables["so_dist"], lo, hi, m)
     os_ = _rows(tables["os_dist"], lo, hi, m)
     values, unresolved, zero = _margins(so, os_)
-    sources = _rows(ref.sources_path, lo, hi) if ref.sources_path else np.arange(lo, hi, dtype=np.int64)
     frame = pd.DataFrame({
-        "unit": np.arange(unit0 + lo, unit0 + hi, dtype=np.int64),
-        "source_index": sources.astype(np.int64),
-        "subset": np.full(hi - lo, ref.name if ref.name is not None else "dataset", dtype=object).astype(str),
+        **_identity_columns(ref, lo, hi, unit0),
         "value": values.astype(np.float64),
     })
     _fragment(out, frame)
@@ -523,7 +525,7 @@ def _ratio_score(ctx: OutOfCore, params: dict, tau_param, mari: bool, k: int, km
     n_def = n_units = 0
     type_counts = np.zeros(3, dtype=np.int64)
     for ref, unit0, tables in zip(ctx.scopes, ctx.offsets(), scope_tables):
-        outs = [str(ctx.folder / f"part-{unit0 + lo:012d}.parquet") for lo, _ in pairwise_leaves(ref.n)]
+        outs = _fragments(ctx, ref, unit0)
         got = _map_out(ctx, _ratio_task, ref, outs, tables, int(k), int(kmax), tau, unit0)
         leaves = pairwise_leaves(ref.n)
         so = pairwise_total(ref.n, {lv: g[1] for lv, g in zip(leaves, got)})
@@ -666,7 +668,7 @@ def _croma_score(ctx: OutOfCore, params: dict, m: int, scope_tables: list) -> La
     (:data:`_COLUMN`)."""
     values, medians, parts = [], [], []
     for ref, unit0, tables in zip(ctx.scopes, ctx.offsets(), scope_tables):
-        outs = [str(ctx.folder / f"part-{unit0 + lo:012d}.parquet") for lo, _ in pairwise_leaves(ref.n)]
+        outs = _fragments(ctx, ref, unit0)
         got = _map_out(ctx, _croma_task, ref, outs, tables, m, unit0)
         unresolved = np.int64(sum(g[1] for g in got))
         zero = np.int64(sum(g[2] for g in got))
@@ -693,6 +695,11 @@ def _croma_score(ctx: OutOfCore, params: dict, m: int, scope_tables: list) -> La
     return LargeResult(value=value, std=std, q_alpha=tail.q_alpha, ltm_alpha=tail.ltm_alpha,
                        n_pairs=int(pair_values.size), n_units=n_units, n_defined=n_units, fields=fields,
                        per_unit=per_unit)
+
+
+def _fragments(ctx: OutOfCore, ref: ScopeRef, unit0: int) -> list[str]:
+    """One per-unit fragment path per leaf range of ``ref`` (named by its first unit)."""
+    return [str(ctx.folder / f"part-{unit0 + lo:012d}.parquet") for lo, _ in pairwise_leaves(ref.n)]
 
 
 def _map_out(ctx: OutOfCore, fn, ref: ScopeRef, outs: list, *args) -> list:
