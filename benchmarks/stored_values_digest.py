@@ -38,11 +38,12 @@ def _timing(key: str) -> bool:
     return key.startswith("seconds_") or key.endswith("_seconds")
 
 
-def _strip(obj):
+def _strip(obj, drop=frozenset()):
     if isinstance(obj, dict):
-        return {k: _strip(v) for k, v in sorted(obj.items()) if k not in _VOLATILE and not _timing(k)}
+        return {k: _strip(v, drop) for k, v in sorted(obj.items())
+                if k not in _VOLATILE and k not in drop and not _timing(k)}
     if isinstance(obj, list):
-        return [_strip(v) for v in obj]
+        return [_strip(v, drop) for v in obj]
     return obj
 
 
@@ -60,8 +61,10 @@ def _frame_digest(df: pd.DataFrame) -> str:
     return h.hexdigest()
 
 
-def digest_store(store_path: Path) -> dict:
-    """{unit label: {"record": sha256, "per_unit": sha256}} for every complete unit of a store."""
+def digest_store(store_path: Path, *, ignore=()) -> dict:
+    """{unit label: {"record": sha256, "per_unit": sha256}} for every complete unit of a store;
+    ``ignore``: more record keys to leave out (``inputs`` when the same rows are stored in
+    another format, whose content digests differ)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     from cachescore.store import ResultsStore
 
@@ -70,7 +73,7 @@ def digest_store(store_path: Path) -> dict:
     for fp in sorted(store.fingerprints()):
         rec = store.record(fp)
         label = "|".join(str(rec.get(k)) for k in ("encoder", "view", "metric", "design", "scope", "role_kind", "m"))
-        body = json.dumps(_strip(rec), sort_keys=True, default=str)
+        body = json.dumps(_strip(rec, frozenset(ignore)), sort_keys=True, default=str)
         entry = {"record": hashlib.sha256(body.encode()).hexdigest()}
         try:
             entry["per_unit"] = _frame_digest(store.per_unit(fp))

@@ -39,7 +39,11 @@ DEFERRED = ("numba", "pynndescent", "bokeh", "h5py", "croma", "torch", "matplotl
             "scipy", "sklearn", "dask.array", "dask.base", "dask.highlevelgraph",
             "cachescore.report", "cachescore.pipeline.run", "cachescore.pipeline.watch",
             # the out-of-core reductions (distributed, pyarrow), loaded when a large unit is scored
-            "cachescore.metrics.large")
+            "cachescore.metrics.large",
+            # a cache at a URL (issue 27): pathlib over fsspec and the file systems, only for a
+            # remote cache (the job schema parses a URL without loading the cache package
+            # otherwise); Zarr only for Zarr shards
+            "upath", "fsspec", "zarr", "cachescore.cache.location")
 
 #: Layer order, lowest first: a package may import only packages at its own level or below.
 LAYERS = [

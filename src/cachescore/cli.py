@@ -31,6 +31,7 @@ Commands are thin: parse, call the library, format, return an exit code.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -42,7 +43,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from .cache import Cache, import_cache, verify_cache
+from .cache import Cache, CacheAccessError, CacheNotFoundError, import_cache, verify_cache
+from .cache.formats import StorageOptions
+from .cache.location import cache_root, check_cache_root, is_remote, remote_session
 from .cache.writer import delete_view
 from .cache.views import make_view, parse_where
 from .errors import RunAborted, RunInterrupted
@@ -267,10 +270,22 @@ def _refuse_damaged(job_path, plan, store) -> bool:
     return bool(lines)
 
 
+def _cache_missing(job, hint: str = "") -> bool:
+    """Print why the job's cache cannot be read (missing, or refused by its storage) and say so."""
+    try:
+        check_cache_root(job.cache)
+    except CacheNotFoundError:
+        print(f"cache not found: {job.cache}{hint}", file=sys.stderr)
+        return True
+    except CacheAccessError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return True
+    return False
+
+
 def _cmd_status(args) -> int:
     job = load_job(args.job)
-    if not Path(job.cache).is_dir():
-        print(f"cache not found: {job.cache} (run: cachescore run {args.job})", file=sys.stderr)
+    if _cache_missing(job, f" (run: cachescore run {args.job})"):
         return 2
     store = ResultsStore.open(job.store)  # reads only: works on a read-only store, creates nothing
     marker = ResultsStore.create if is_store(job.store) and os.access(job.store, os.W_OK) else None
@@ -314,8 +329,7 @@ def _cmd_status(args) -> int:
 
 def _cmd_validate(args) -> int:
     job = load_job(args.job)
-    if not Path(job.cache).is_dir():
-        print(f"cache not found: {job.cache}", file=sys.stderr)
+    if _cache_missing(job):
         return 2
     store = ResultsStore.open(job.store)  # read-only: validate creates nothing
     plan = plan_job(job, store=store)
@@ -427,19 +441,26 @@ def _cmd_import(args) -> int:
     for name, spec in pairs(args.view, "--view", "=").items():
         confounder, _, design = spec.partition(":")
         views[name] = {"confounder_column": confounder, "design": design or None}
-    cache = import_cache(args.cache, tileset=args.tileset, manifest=args.manifest, encoders=encoders,
-                         layout=args.layout, slide_column=args.slide_column,
-                         tile_index_column=args.tile_index_column, h5_dataset=args.h5_dataset,
-                         views=views or None, shard_rows=args.shard_rows, overwrite=args.overwrite,
-                         follow_symlinks=args.follow_symlinks)
-    print(f"imported {', '.join(encoders)} into {cache.root} (tileset {args.tileset}; "
-          f"views: {', '.join(cache.views()) or 'none'})")
+    if args.link and is_remote(cache_root(args.cache)):
+        raise ValueError("--link records slide files on this file system: the cache must be a folder the workers "
+                         "share with them, not a URL")
+    with remote_session(args.cache) as root:  # a URL: written to a staging copy, then uploaded
+        cache = import_cache(root, tileset=args.tileset, manifest=args.manifest, encoders=encoders,
+                             layout=args.layout, slide_column=args.slide_column,
+                             tile_index_column=args.tile_index_column, h5_dataset=args.h5_dataset,
+                             views=views or None, shard_rows=args.shard_rows, overwrite=args.overwrite,
+                             follow_symlinks=args.follow_symlinks,
+                             storage=StorageOptions(format=args.format, codec=args.codec, chunk_rows=args.chunk_rows,
+                                                    storage_dtype=args.storage_dtype, link=args.link))
+        listed = ", ".join(cache.views()) or "none"
+    print(f"imported {', '.join(encoders)} into {cache_root(args.cache)} (tileset {args.tileset}; views: {listed})")
     return 0
 
 
 def _cmd_view(args) -> int:
     if args.delete:
-        removed = delete_view(Cache(args.cache, mode="a"), args.delete)
+        with remote_session(args.cache) as root:
+            removed = delete_view(Cache(root, mode="a"), args.delete)
         print(f"view {args.delete} deleted from {args.cache} ({', '.join(p.name for p in removed)}); its stored "
               "results stay in the results store (`cachescore prune JOB` lists them)")
         return 0
@@ -448,10 +469,13 @@ def _cmd_view(args) -> int:
         print(f"error: cachescore view: {', '.join(missing)} required to write a view (or --delete NAME to remove one)",
               file=sys.stderr)
         return 2
-    summary = make_view(args.cache, tileset=args.tileset, name=args.name, confounder=args.confounder, label=args.label,
-                        group=args.group, design=args.design, where=parse_where(args.where),
-                        rows_per_slide=args.rows_per_slide, seed=args.seed, min_rows=args.min_rows,
-                        slide_column=args.slide_column, overwrite=args.overwrite)
+    with remote_session(args.cache) as root:
+        summary = make_view(root, tileset=args.tileset, name=args.name, confounder=args.confounder, label=args.label,
+                            group=args.group, design=args.design, where=parse_where(args.where),
+                            rows_per_slide=args.rows_per_slide, seed=args.seed, min_rows=args.min_rows,
+                            slide_column=args.slide_column, overwrite=args.overwrite)
+    if is_remote(cache_root(args.cache)):  # the staged path is gone: name the object
+        summary = dataclasses.replace(summary, path=cache_root(args.cache) / "views" / f"{args.name}.parquet")
     dropped = ""
     if summary.dropped:
         few = ", ".join(f"{s} ({n})" for s, n in list(summary.dropped.items())[:5])
@@ -471,7 +495,7 @@ def _cmd_demo(args) -> int:
     ns = argparse.Namespace(job=str(job_path), scheduler=args.scheduler, quiet=False)
     rc = _cmd_run(ns)
     job = load_job(job_path)
-    info = json.loads((Path(job.cache) / "cache.json").read_text(encoding="utf-8"))
+    info = json.loads((cache_root(job.cache) / "cache.json").read_text(encoding="utf-8"))
     print("intended ranking (most robust first): " + " > ".join(info.get("intended_confounder_ranking", [])))
     return rc
 
@@ -479,7 +503,11 @@ def _cmd_demo(args) -> int:
 def _cmd_report(args) -> int:
     job = load_job(args.job)
     out = Path(args.out) if args.out else Path(job.store) / REPORT_FILE
-    cache = Cache(job.cache) if Path(job.cache).is_dir() else None
+    try:
+        check_cache_root(job.cache)
+        cache = Cache(job.cache)
+    except CacheNotFoundError:
+        cache = None
     if cache is not None and is_store(job.store):
         store = ResultsStore.open(job.store)
         if _refuse_damaged(args.job, plan_job(job, cache=cache, store=store), store):
@@ -596,6 +624,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per_slide: read slide files that are symbolic links leaving the slide folder (default: "
                         "refused, naming the slide)")
     i.add_argument("--shard-rows", type=int, default=None, help="rows per shard (default: ~64-256 MiB)")
+    i.add_argument("--format", default="npy", choices=["npy", "zarr"],
+                   help="how rows are stored: .npy shards (memory-mapped; default) or Zarr v3 shards (chunked, "
+                        "compressed; docs/adr/0021)")
+    i.add_argument("--codec", default="zstd", choices=["zstd", "blosc", "none"], help="--format zarr: chunk codec")
+    i.add_argument("--chunk-rows", type=int, default=None, help="--format zarr: rows per chunk (default ~4 MiB)")
+    i.add_argument("--storage-dtype", default=None, choices=["float16", "float32", "float64"],
+                   help="--format zarr: store rows in this dtype (float16 halves the bytes; values out of its "
+                        "range are refused)")
+    i.add_argument("--link", action="store_true",
+                   help="per_slide: read each slide's .h5/.npy file in place (nothing copied); the cache records "
+                        "path, size, mtime, tile count and a quick content hash, and a changed or missing file is "
+                        "refused before it is read")
     i.add_argument("--overwrite", action="store_true",
                    help="replace the given encoders' existing arrays of this tileset (never another encoder's) and "
                         "the given views")

@@ -2,7 +2,7 @@
 
 See ``docs/cache-layout.md``. Public names:
 
-* :class:`Cache` – read a cache folder (listings, views, lazy dask embeddings, fingerprints, validation);
+* :class:`Cache` – read a cache (a folder, or an fsspec URL such as ``s3://bucket/prefix``) (listings, views, lazy dask embeddings, fingerprints, validation);
 * :class:`RowSource` – one encoder × tileset by location: what a Dask task reads rows through;
 * :class:`ViewSpec`, :class:`EmbeddingMeta` – parsed sidecar / ``meta.json``;
 * :func:`write_tileset`, :func:`write_embeddings`, :func:`write_view` – atomic writers;
@@ -14,6 +14,7 @@ See ``docs/cache-layout.md``. Public names:
 
 from .errors import (
     AlignmentError,
+    CacheAccessError,
     CacheError,
     CacheNotFoundError,
     LayoutError,
@@ -45,6 +46,7 @@ __all__ = [
     "PROBLEM_KINDS",
     "CacheError",
     "CacheNotFoundError",
+    "CacheAccessError",
     "LayoutError",
     "AlignmentError",
     "ShardError",

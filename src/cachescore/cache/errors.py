@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = [
     "CacheError",
     "CacheNotFoundError",
+    "CacheAccessError",
     "LayoutError",
     "AlignmentError",
     "ShardError",
@@ -27,6 +28,11 @@ class CacheError(ValueError):
 
 class CacheNotFoundError(CacheError, FileNotFoundError):
     """A required cache file or folder (tileset, embeddings, view, sidecar) does not exist."""
+
+
+class CacheAccessError(CacheError, PermissionError):
+    """The storage holding a remote cache refused a request (wrong or missing credentials, no
+    permission) or could not be reached; the message says where credentials are read from."""
 
 
 class LayoutError(CacheError):

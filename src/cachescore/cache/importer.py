@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 from ..manifest import coerce_manifest
 from .._atomic import atomic_replace_dir
 from .errors import AlignmentError, CacheError, CacheNotFoundError, LayoutError
+from .formats import StorageOptions
 from .layout import FLOAT_DTYPES, check_name, embeddings_dir, tiles_path, view_sidecar_path, writable_root
 from .reader import Cache
 from .writer import (
@@ -389,6 +390,7 @@ def import_cache(
     overwrite: bool = False,
     validate: bool = True,
     follow_symlinks: bool = False,
+    storage: StorageOptions | None = None,
 ) -> Cache:
     """Import arrays + a tile (or slide) manifest into the cache at ``root``; return the :class:`Cache`.
 
@@ -406,7 +408,11 @@ def import_cache(
         manifest's rows in order (use :func:`write_view` for views that select or repeat rows).
     overwrite : replace the given encoders' existing arrays of this tileset (never another
         encoder's, never a different tile manifest) and the given views.
-    validate : re-read every written array with :meth:`Cache.validate_embeddings`.
+    validate : re-read every written array with :meth:`Cache.validate_embeddings` (not for linked
+        slide files: their rows are validated, NaN refusal included, when a unit first reads them).
+    storage : :class:`~.formats.StorageOptions`: ``.npy`` shards (default), Zarr shards (codec,
+        chunk rows, storage dtype), or ``link=True``: ``per_slide`` files read in place (each
+        slide's tiles must be its file's rows in order, as a slide table gives), nothing copied.
     follow_symlinks : ``per_slide`` folders / ``{slide}`` patterns: read slide files that are
         symbolic links to files outside the folder (default: refused, naming the slide). Slide ids
         must always be plain file names (no ``/``, ``..``); devices, FIFOs and folders are refused.
@@ -429,13 +435,17 @@ def import_cache(
     frame, tile_index_column = _tile_frame(frame.reset_index(drop=True), source, encoders, layout=layout,
                                            slide_column=slide_column, tile_index_column=tile_index_column,
                                            h5_dataset=h5_dataset, follow_symlinks=follow_symlinks)
+    storage = storage or StorageOptions()
+    if storage.link and layout != "per_slide":
+        raise CacheError("--link reads per-slide feature files in place: it needs --layout per_slide")
     plans = _read_plans(frame, source, encoders, layout=layout, slide_column=slide_column,
-                        tile_index_column=tile_index_column, h5_dataset=h5_dataset, follow_symlinks=follow_symlinks)
+                        tile_index_column=tile_index_column, h5_dataset=h5_dataset, follow_symlinks=follow_symlinks,
+                        link=storage.link)
     out = tileset_frame(tileset, frame)
     tiles_file = tiles_path(root, tileset)
     _check_targets(root, tileset, out, tiles_file, frame, views, source, overwrite=overwrite)
     staged = _stage_all(root, tileset, plans, out["sample_id"].to_numpy(dtype=object), len(frame), source,
-                        shard_rows=shard_rows, overwrite=overwrite,
+                        shard_rows=shard_rows, overwrite=overwrite, storage=storage,
                         describe_rows=_row_describer(frame, slide_column, tile_index_column),
                         rows_are=(f"the tiles of {source}'s slides" if tile_index_column == "tile_index"
                                   and layout == "per_slide" else f"{source} rows"))
@@ -452,7 +462,7 @@ def import_cache(
         write_view(root, view, frame, tileset=tileset, confounder_column=confounder, design=design,
                    overwrite=overwrite)
     cache = Cache(root)
-    if validate:
+    if validate and not storage.link:
         for name in staged:
             cache.validate_embeddings(name, tileset)
     return cache
@@ -521,15 +531,16 @@ def _row_describer(frame: pd.DataFrame, slide_column: str, tile_index_column: st
 
 
 def _stage_all(root: Path, tileset: str, plans: dict, ids, n: int, source: str, *, shard_rows, overwrite: bool,
-               describe_rows=None, rows_are: str | None = None) -> dict[str, Path]:
+               describe_rows=None, rows_are: str | None = None, storage: StorageOptions | None = None) -> dict[str, Path]:
     """Stage every encoder's arrays inside the cache (read and checked, not yet published);
     returns ``encoder -> staging folder`` of those that change. Identical bytes are dropped; on
     any failure every staging folder is removed and the cache is as it was."""
     staged: dict[str, Path] = {}
     try:
-        for name, (dim, dtype, read_block) in plans.items():
+        for name, (dim, dtype, read_block, linked) in plans.items():
             staging, meta = stage_embeddings_blocks(root, name, tileset, ids=ids, n_rows=n, dim=dim, dtype=dtype,
-                                                    read_block=read_block, shard_rows=shard_rows,
+                                                    read_block=read_block, shard_rows=shard_rows, storage=storage,
+                                                    linked=linked,
                                                     source=f"encoder {name!r} (rows are {rows_are or source + ' rows'})",
                                                     describe_rows=describe_rows)
             target = embeddings_dir(root, name, tileset)
@@ -590,8 +601,10 @@ def _check_view_columns(frame: pd.DataFrame, view: str, confounder: str, source:
 
 
 def _read_plans(frame: pd.DataFrame, source: str, encoders: Mapping[str, object], *, layout: str, slide_column: str,
-                tile_index_column: str | None, h5_dataset: str, follow_symlinks: bool = False) -> dict[str, tuple]:
-    """Per encoder ``(dim, dtype, read_block)`` after checking every file against the manifest."""
+                tile_index_column: str | None, h5_dataset: str, follow_symlinks: bool = False,
+                link: bool = False) -> dict[str, tuple]:
+    """Per encoder ``(dim, dtype, read_block, linked)`` after checking every file against the
+    manifest; ``linked`` (with ``link``) lists ``(path, h5 dataset or None, rows)`` per slide."""
     n = len(frame)
     plans: dict[str, tuple] = {}
     if layout == "per_encoder":
@@ -603,7 +616,7 @@ def _read_plans(frame: pd.DataFrame, source: str, encoders: Mapping[str, object]
             if src.shape[0] != n:
                 raise AlignmentError(f"encoder {name!r}: {src.path} has {src.shape[0]} rows but the {source} has {n}; "
                                      "row i must be the embedding of manifest row i")
-            plans[name] = (src.shape[1], src.dtype, src.slice)
+            plans[name] = (src.shape[1], src.dtype, src.slice, None)
         return plans
     if slide_column not in frame.columns:
         raise CacheError(f"{source}: missing slide column {slide_column!r} (set slide_column=...)")
@@ -649,8 +662,30 @@ def _read_plans(frame: pd.DataFrame, source: str, encoders: Mapping[str, object]
                 raise AlignmentError(f"{source}: rows {_rows(over)} have {tile_index_column} beyond their slide "
                                      f"file (row {r}: index {tile_index[r]}, {sources[codes[r]].path} has "
                                      f"{file_rows[codes[r]]} rows)")
-        plans[name] = (dims.pop(), dtypes.pop(), _slide_reader(sources, codes, tile_index))
+        linked = _linked_files(sources, codes, tile_index, slides, name) if link else None
+        plans[name] = (dims.pop(), dtypes.pop(), _slide_reader(sources, codes, tile_index), linked)
     return plans
+def _linked_files(sources: list[_Source], codes: np.ndarray, tile_index: np.ndarray, slides: list[str],
+                  encoder: str) -> list[tuple[str, str | None, int]]:
+    """The slide files of a linked import in tileset order. Refused (naming the first row out of
+    place) unless each slide's tiles are one run of rows holding its file's rows in order: a
+    linked shard is read as the file's rows 0..n-1."""
+    order = np.flatnonzero(np.diff(codes) != 0) + 1
+    starts = np.concatenate([[0], order]) if codes.size else np.empty(0, np.int64)
+    run_codes = codes[starts] if codes.size else codes
+    expected = np.arange(codes.size, dtype=np.int64) - np.repeat(starts, np.diff(np.append(starts, codes.size)))
+    rows = np.asarray([src.shape[0] for src in sources], dtype=np.int64)
+    bad = np.flatnonzero(tile_index != expected)
+    if len(set(run_codes.tolist())) != run_codes.size or bad.size or np.any(rows[run_codes] != np.diff(np.append(starts, codes.size))):
+        at = int(bad[0]) if bad.size else 0
+        raise CacheError(f"encoder {encoder!r}: --link reads each slide file's rows in order, so every slide's tiles "
+                         f"must be one run of manifest rows holding all of its file's rows in order (row {at}, slide "
+                         f"{slides[int(codes[at])]!r} is not); give a slide table (one row per slide), or import "
+                         "without --link")
+    return [(str(sources[int(c)].path), sources[int(c)].h5_dataset if sources[int(c)].kind == "h5" else None,
+             int(rows[int(c)])) for c in run_codes]
+
+
 def _slide_reader(sources: list[_Source], codes: np.ndarray, tile_index: np.ndarray):
     """``read_block(lo, hi)`` over manifest rows, gathering from each touched slide file once."""
 

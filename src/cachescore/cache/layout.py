@@ -24,9 +24,13 @@ from pathlib import Path
 import numpy as np
 
 from .errors import CacheError, CacheNotFoundError, LayoutError, ViewError
+from .location import access_error, cache_root, is_file, is_remote
 
 __all__ = [
     "META_FORMAT",
+    "ZARR_FORMAT",
+    "LINKED_FORMAT",
+    "META_FORMATS",
     "META_VERSION",
     "SIDECAR_VERSION",
     "FLOAT_DTYPES",
@@ -43,8 +47,15 @@ __all__ = [
     "parse_view_spec",
 ]
 
-#: ``format`` value written in every ``meta.json``; any other value is rejected.
+#: ``format`` of ``meta.json``: ``.npy`` row shards (the default layout).
 META_FORMAT = "cachescore.npy-shards"
+#: ``format`` of ``meta.json``: each row shard a Zarr v3 array of whole-row chunks (``shard-NNNNN.zarr``).
+ZARR_FORMAT = "cachescore.zarr-shards"
+#: ``format`` of ``meta.json``: slide feature files read in place (``import --link``); each shard is
+#: one slide's file, named by absolute path with its dataset, size, mtime and quick hash.
+LINKED_FORMAT = "cachescore.linked"
+#: Every ``format`` this code reads, with the suffix its shard files carry (None: any, linked files).
+META_FORMATS = {META_FORMAT: ".npy", ZARR_FORMAT: ".zarr", LINKED_FORMAT: None}
 #: Version of the ``meta.json`` schema this code reads and writes.
 META_VERSION = 1
 #: Version of the view sidecar schema this code reads and writes.
@@ -76,22 +87,26 @@ CACHE_MODES = ("r", "a")
 def writable_root(root) -> Path:
     """The folder a writer writes into: ``root`` itself (a path), or a
     :class:`~cachescore.cache.Cache`'s folder when it was opened with ``mode="a"``. Raises
-    :class:`~.errors.CacheError` for a cache opened read-only (``mode="r"``), naming it."""
+    :class:`~.errors.CacheError` for a cache opened read-only (``mode="r"``), naming it, and for
+    a remote cache (a URL): writers write a local folder, which
+    :func:`~cachescore.cache.location.remote_session` stages and publishes."""
     mode = getattr(root, "mode", None)
-    if mode is None:
-        return Path(root)
-    if mode != "a":
+    if mode is not None and mode != "a":
         raise CacheError(f"cache {root.root} is open read-only (mode={mode!r}); nothing is written: open it with "
                          "Cache.open(path, mode='a') to add to it")
-    return Path(root.root)
+    folder = cache_root(root.root if mode is not None else root)
+    if is_remote(folder):
+        raise CacheError(f"cache {folder} is remote: the writers write a local folder; write through "
+                         "cachescore.cache.location.remote_session (the import and view commands do)")
+    return folder
 
 
 def tiles_path(root: Path, tileset: str) -> Path:
-    return Path(root) / "tilesets" / tileset / "tiles.parquet"
+    return cache_root(root) / "tilesets" / tileset / "tiles.parquet"
 
 
 def embeddings_dir(root: Path, encoder: str, tileset: str) -> Path:
-    return Path(root) / "embeddings" / encoder / tileset
+    return cache_root(root) / "embeddings" / encoder / tileset
 
 
 def meta_path(root: Path, encoder: str, tileset: str) -> Path:
@@ -99,21 +114,27 @@ def meta_path(root: Path, encoder: str, tileset: str) -> Path:
 
 
 def view_table_path(root: Path, view: str) -> Path:
-    return Path(root) / "views" / f"{view}.parquet"
+    return cache_root(root) / "views" / f"{view}.parquet"
 
 
 def view_sidecar_path(root: Path, view: str) -> Path:
-    return Path(root) / "views" / f"{view}.json"
+    return cache_root(root) / "views" / f"{view}.json"
 
 
 @dataclass(frozen=True)
 class ShardInfo:
-    """One row shard: ``file`` (name inside the embeddings folder), ``start``/``stop`` rows, ``sha256`` of the file bytes."""
+    """One row shard: ``file`` (name inside the embeddings folder; a linked slide file's absolute
+    path), ``start``/``stop`` rows, ``sha256`` (of the file bytes; a Zarr store's digest; a linked
+    file's quick hash). Linked shards also record their HDF5 ``dataset`` (None for ``.npy``) and
+    the file's ``size`` and ``mtime_ns`` when it was linked."""
 
     file: str
     start: int
     stop: int
     sha256: str
+    dataset: str | None = None
+    size: int | None = None
+    mtime_ns: int | None = None
 
     @property
     def rows(self) -> int:
@@ -131,6 +152,7 @@ class EmbeddingMeta:
     dtype: np.dtype
     shards: tuple[ShardInfo, ...]
     sample_ids_sha256: str
+    format: str = META_FORMAT
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -160,10 +182,12 @@ class ViewSpec:
 
 
 def _read_json(path: Path, what: str) -> dict:
-    if not path.is_file():
+    if not is_file(path):
         raise CacheNotFoundError(f"{what} not found: {path}")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
+    except PermissionError as exc:
+        raise access_error(f"{what} {path}", exc) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise LayoutError(f"{what} {path} is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
@@ -178,8 +202,9 @@ def parse_meta(path: Path, *, encoder: str, tileset: str) -> EmbeddingMeta:
     def bad(msg: str) -> LayoutError:
         return LayoutError(f"{path}: {msg} (encoder {encoder!r}, tileset {tileset!r})")
 
-    if data.get("format") != META_FORMAT:
-        raise bad(f"'format' must be {META_FORMAT!r}, got {data.get('format')!r}")
+    fmt = data.get("format")
+    if fmt not in META_FORMATS:
+        raise bad(f"'format' must be one of {list(META_FORMATS)}, got {fmt!r}")
     if data.get("version") != META_VERSION:
         raise bad(f"unsupported 'version' {data.get('version')!r}; this cachescore reads version {META_VERSION}")
     shape = data.get("shape")
@@ -196,9 +221,12 @@ def parse_meta(path: Path, *, encoder: str, tileset: str) -> EmbeddingMeta:
         if not (isinstance(s, dict) and isinstance(s.get("file"), str) and isinstance(s.get("rows"), int)
                 and s["rows"] >= 0 and isinstance(s.get("sha256"), str)):
             raise bad(f"shards[{i}] must be an object with 'file' (str), 'rows' (int >= 0), 'sha256' (str)")
-        if "/" in s["file"] or "\\" in s["file"] or s["file"].startswith("."):
-            raise bad(f"shards[{i}].file {s['file']!r} must be a plain file name inside the folder")
-        shards.append(ShardInfo(file=s["file"], start=start, stop=start + s["rows"], sha256=s["sha256"]))
+        if fmt == LINKED_FORMAT:
+            shards.append(_linked_shard(s, i, start, bad))
+        else:
+            if "/" in s["file"] or "\\" in s["file"] or s["file"].startswith(".") or not s["file"].endswith(META_FORMATS[fmt]):
+                raise bad(f"shards[{i}].file {s['file']!r} must be a plain {META_FORMATS[fmt]} file name inside the folder")
+            shards.append(ShardInfo(file=s["file"], start=start, stop=start + s["rows"], sha256=s["sha256"]))
         start += s["rows"]
     if start != shape[0]:
         raise bad(f"shard row counts sum to {start} but 'shape' has {shape[0]} rows")
@@ -207,8 +235,20 @@ def parse_meta(path: Path, *, encoder: str, tileset: str) -> EmbeddingMeta:
         raise bad("'sample_ids_sha256' must be a string")
     return EmbeddingMeta(
         encoder=encoder, tileset=tileset, n_rows=shape[0], dim=shape[1], dtype=np.dtype(dtype),
-        shards=tuple(shards), sample_ids_sha256=ids_hash,
+        shards=tuple(shards), sample_ids_sha256=ids_hash, format=fmt,
     )
+
+
+def _linked_shard(s: dict, i: int, start: int, bad) -> ShardInfo:
+    """A linked slide file's shard entry: an absolute ``file``, its ``dataset`` (str, or null for
+    ``.npy``), ``size`` and ``mtime_ns`` (ints)."""
+    dataset, size, mtime = s.get("dataset"), s.get("size"), s.get("mtime_ns")
+    if not s["file"].startswith("/") or "::" in s["file"]:
+        raise bad(f"shards[{i}].file {s['file']!r} must be an absolute path (without '::') of a linked slide file")
+    if not (dataset is None or isinstance(dataset, str)) or not all(isinstance(v, int) and v >= 0 for v in (size, mtime)):
+        raise bad(f"shards[{i}] must record 'dataset' (str or null), 'size' and 'mtime_ns' (ints >= 0)")
+    return ShardInfo(file=s["file"], start=start, stop=start + s["rows"], sha256=s["sha256"], dataset=dataset,
+                     size=size, mtime_ns=mtime)
 
 
 def parse_view_spec(path: Path, *, view: str) -> ViewSpec:

@@ -1,5 +1,6 @@
-"""Read a cache folder: listings, views in view order with their tileset row index, and embeddings
-as lazy row-chunked dask arrays whose tasks memmap the ``.npy`` shards on the worker.
+"""Read a cache: listings, views in view order with their tileset row index, and embeddings
+as lazy row-chunked dask arrays whose tasks memmap the ``.npy`` shards on the worker (or read
+them by ranged requests when the cache is a URL in object storage, :mod:`.location`).
 
 A :class:`Cache` holds only its root path, so it pickles to workers cheaply; nothing is read in
 the constructor. Task graphs carry shard paths, row ranges and (for views) int64 row indices,
@@ -33,6 +34,8 @@ from .errors import (
 )
 from .layout import (
     CACHE_MODES,
+    LINKED_FORMAT,
+    META_FORMAT,
     EmbeddingMeta,
     ViewSpec,
     check_name,
@@ -44,7 +47,17 @@ from .layout import (
     view_sidecar_path,
     view_table_path,
 )
-from .shards import gather_rows, open_shard, read_shard_rows
+from .location import (
+    access_error,
+    cache_root,
+    check_cache_root,
+    is_file,
+    is_remote,
+    open_binary,
+    signature,
+    tree_signature,
+)
+from .shards import RemoteShard, gather_rows, link_reference, open_shard, read_shard_rows, shard_digest
 from .writer import (
     VIEW_REQUIRED,
     _rows,
@@ -123,7 +136,7 @@ class Cache:
     def __init__(self, root, mode: str = "r"):
         if mode not in CACHE_MODES:
             raise ValueError(f"cache mode must be one of {list(CACHE_MODES)}, got {mode!r}")
-        self.root = Path(root)
+        self.root = cache_root(root)
         self.mode = mode
 
     @classmethod
@@ -132,7 +145,7 @@ class Cache:
         :class:`CacheNotFoundError` when the folder does not exist; ``mode="a"`` creates the
         folder if needed (the only write) and returns a cache the writers accept."""
         cache = cls(root, mode)
-        if mode == "a":
+        if mode == "a" and not is_remote(cache.root):
             cache.root.mkdir(parents=True, exist_ok=True)
         else:
             cache._require_root()
@@ -154,8 +167,7 @@ class Cache:
 
     # -- listings -------------------------------------------------------------------------------
     def _require_root(self) -> None:
-        if not self.root.is_dir():
-            raise CacheNotFoundError(f"cache folder not found: {self.root}")
+        check_cache_root(self.root)
 
     def tilesets(self) -> list[str]:
         """Sorted names of tilesets that have a ``tiles.parquet``."""
@@ -195,7 +207,10 @@ class Cache:
         if not path.is_file():
             raise CacheNotFoundError(f"tileset {tileset!r} not found: {path}")
         try:
-            frame = pq.read_table(path, columns=columns).to_pandas()
+            with open_binary(path) as fh:
+                frame = pq.read_table(fh, columns=columns).to_pandas()
+        except PermissionError as exc:
+            raise access_error(str(path), exc) from None
         except (pa.ArrowException, OSError) as exc:
             raise LayoutError(f"{path}: cannot read: {exc}") from exc
         need = [c for c in ("sample_id", "image_path") if columns is None or c in columns]
@@ -215,7 +230,10 @@ class Cache:
         if not path.is_file():
             raise CacheNotFoundError(f"tileset {tileset!r} not found: {path}")
         try:
-            return int(pq.read_metadata(path).num_rows)
+            with open_binary(path) as fh:
+                return int(pq.read_metadata(fh).num_rows)
+        except PermissionError as exc:
+            raise access_error(str(path), exc) from None
         except (pa.ArrowException, OSError) as exc:
             raise LayoutError(f"{path}: cannot read Parquet metadata: {exc}") from exc
 
@@ -239,6 +257,8 @@ class Cache:
                 data = path.read_bytes()
             except FileNotFoundError:
                 raise CacheNotFoundError(f"view {view!r} table not found: {path}") from None
+            except PermissionError as exc:
+                raise access_error(f"view {view!r} table {path}", exc) from None
             except OSError as exc:
                 raise LayoutError(f"{path}: cannot read: {exc}") from exc
             if spec.table_sha256 is None or (
@@ -268,13 +288,8 @@ class Cache:
         500,000 rows in all are kept).
         """
         spec, data = self._view_pair(view)
-        tpath = tiles_path(self.root, spec.tileset)
-        try:
-            st = tpath.stat()
-        except OSError:
-            st = None
-        key = (str(self.root), view, repr(spec), hashlib.sha256(data).hexdigest(),
-               None if st is None else (st.st_size, st.st_mtime_ns, st.st_ino))
+        st = signature(tiles_path(self.root, spec.tileset))
+        key = (str(self.root), view, repr(spec), hashlib.sha256(data).hexdigest(), st)
         kept = _VIEW_FRAMES.get(key) if st is not None else None
         if kept is None:
             kept = self._parse_view(view, spec, data)
@@ -422,6 +437,10 @@ class Cache:
         return f"encoder {encoder!r}, tileset {tileset!r}"
 
     def _paths(self, meta: EmbeddingMeta) -> tuple[str, ...]:
+        """What each shard is opened through (:func:`.shards.open_shard`): a file or store in the
+        embeddings folder, or a linked slide file's reference (path, dataset, size, mtime)."""
+        if meta.format == LINKED_FORMAT:
+            return tuple(link_reference(s.file, s.dataset, s.size, s.mtime_ns) for s in meta.shards)
         folder = embeddings_dir(self.root, meta.encoder, meta.tileset)
         return tuple(str(folder / s.file) for s in meta.shards)
 
@@ -506,7 +525,7 @@ class Cache:
         if rows is None:
             out = np.empty(meta.shape, dtype=meta.dtype)
             for shard, path in zip(meta.shards, paths):
-                out[shard.start : shard.stop] = open_shard(path, shard.rows, meta.dim, meta.dtype, label)
+                out[shard.start : shard.stop] = np.asarray(open_shard(path, shard.rows, meta.dim, meta.dtype, label))
             return out
         rows = np.asarray(rows)
         if rows.ndim != 1 or not (np.issubdtype(rows.dtype, np.integer) or rows.size == 0):
@@ -557,14 +576,24 @@ class Cache:
 
     # -- validation -----------------------------------------------------------------------------
     def _stat_signature(self, meta: EmbeddingMeta) -> tuple:
-        files = [meta_path(self.root, meta.encoder, meta.tileset), tiles_path(self.root, meta.tileset), *map(Path, self._paths(meta))]
+        folder = embeddings_dir(self.root, meta.encoder, meta.tileset)
+        files = [meta_path(self.root, meta.encoder, meta.tileset), tiles_path(self.root, meta.tileset)]
+        if meta.format == LINKED_FORMAT:
+            files += [Path(s.file) for s in meta.shards]
+        elif meta.format == META_FORMAT:
+            files += [folder / s.file for s in meta.shards]
         out = []
         for f in files:
-            try:
-                st = f.stat()
-            except FileNotFoundError:
+            sig = signature(f)
+            if sig is None:
                 return ()
-            out.append((str(f), st.st_size, st.st_mtime_ns, st.st_ino))
+            out.append(sig)
+        if meta.format not in (LINKED_FORMAT, META_FORMAT):  # Zarr shards: every chunk file of each store
+            for s in meta.shards:
+                sig = tree_signature(folder / s.file)
+                if sig is None:
+                    return ()
+                out.append(sig)
         return tuple(out)
 
     def validate_embeddings(self, encoder: str, tileset: str, *, checksums: bool = True, finite: bool = True,
@@ -584,7 +613,7 @@ class Cache:
         :class:`NonFiniteError`, each naming encoder, tileset, shard file and row range.
         """
         meta = self.meta(encoder, tileset)
-        key = (str(self.root.resolve()), encoder, tileset, checksums, finite)
+        key = (str(self.root if is_remote(self.root) else self.root.resolve()), encoder, tileset, checksums, finite)
         signature = self._stat_signature(meta)
         if reuse and signature and _VALIDATED.get(key) == signature:
             return meta
@@ -595,7 +624,12 @@ class Cache:
                                  "these embeddings were written for; rows are no longer aligned (re-import them)")
         for shard, path in zip(meta.shards, self._paths(meta)):
             mm = open_shard(path, shard.rows, meta.dim, meta.dtype, label)
-            if checksums and sha256_file(Path(path)) != shard.sha256:
+            if isinstance(mm, RemoteShard) and (checksums or finite):  # one read of the object serves both checks
+                mm, digest = mm.read_with_digest()
+                if checksums and digest != shard.sha256:
+                    raise ShardError(f"{label}: shard {path} (rows {shard.start}:{shard.stop}) does not match its "
+                                     "sha256 in meta.json")
+            elif checksums and shard_digest(path) != shard.sha256:
                 raise ShardError(f"{label}: shard {path} (rows {shard.start}:{shard.stop}) does not match its sha256 in meta.json")
             if finite and shard.rows:
                 bad = nonfinite_rows(mm)
@@ -611,7 +645,7 @@ class Cache:
     def info(self) -> dict:
         """Cache-level ``cache.json`` content ({} when absent)."""
         path = self.root / "cache.json"
-        if not path.is_file():
+        if not is_file(path):
             return {}
         try:
             data = json.loads(path.read_text(encoding="utf-8"))

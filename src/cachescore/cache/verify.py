@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from .._finite import nonfinite_rows
-from .._hashing import sha256_file
 from .errors import CacheError, ShardNotFoundError, ViewChecksumError
 from .layout import (
+    LINKED_FORMAT,
     check_name,
     embeddings_dir,
     meta_path,
@@ -30,7 +30,7 @@ from .layout import (
     view_table_path,
 )
 from .reader import Cache
-from .shards import open_shard
+from .shards import RemoteShard, open_shard, shard_digest
 from .writer import _rows, sample_ids_digest
 
 __all__ = ["Problem", "PROBLEM_KINDS", "verify_cache"]
@@ -144,19 +144,26 @@ def _check_embeddings(cache, encoder: str, tileset: str, tileset_ids: dict, prob
             problems.append(Problem(kind="alignment", file=str(mpath), **where,
                                     message=f"{label}: the sample_id order of {tiles_path(cache.root, tileset)} "
                                             "differs from the one these embeddings were written for (re-import them)"))
-    for shard in meta.shards:
-        path = folder / shard.file
+    for shard, ref in zip(meta.shards, cache._paths(meta)):
+        path = Path(shard.file) if meta.format == LINKED_FORMAT else folder / shard.file
         rng = (shard.start, shard.stop)
         at = dict(file=str(path), row_range=rng, **where)
         try:
-            mm = open_shard(str(path), shard.rows, meta.dim, meta.dtype, label)
+            mm = open_shard(ref, shard.rows, meta.dim, meta.dtype, label)
         except ShardNotFoundError as exc:
             problems.append(Problem(kind="shard_missing", message=str(exc), **at))
             continue
         except CacheError as exc:
             problems.append(Problem(kind="shard_corrupt", message=str(exc), **at))
             continue
-        if checksums and sha256_file(path) != shard.sha256:
+        digest = None
+        if isinstance(mm, RemoteShard) and (checksums or finite):  # one read of the object serves both checks
+            try:
+                mm, digest = mm.read_with_digest()
+            except CacheError as exc:
+                problems.append(Problem(kind="shard_corrupt", message=str(exc), **at))
+                continue
+        if checksums and (digest or shard_digest(ref)) != shard.sha256:
             problems.append(Problem(kind="checksum", **at,
                                     message=f"{label}: shard {path} (rows {shard.start}:{shard.stop}) does not match "
                                             "its sha256 in meta.json"))

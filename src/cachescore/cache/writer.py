@@ -35,7 +35,10 @@ from .errors import (
     NonFiniteError,
     ViewError,
 )
+from .formats import StorageOptions, linked_shards, write_zarr_shard
 from .layout import (
+    LINKED_FORMAT,
+    ZARR_FORMAT,
     FLOAT_DTYPES,
     META_FORMAT,
     META_VERSION,
@@ -224,6 +227,7 @@ def write_embeddings_blocks(
     overwrite: bool = False,
     check_finite: bool = True,
     source: str | None = None,
+    storage: StorageOptions | None = None,
 ) -> Path:
     """Stream an embedding array into row shards; ``read_block(start, stop)`` returns rows
     ``start:stop`` as an array of shape ``(stop - start, dim)`` and ``dtype``.
@@ -238,7 +242,7 @@ def write_embeddings_blocks(
         raise FileExistsError(f"{target} already exists; pass overwrite=True to replace it")
     staging, _ = stage_embeddings_blocks(root, encoder, tileset, ids=_tileset_ids(root, tileset), n_rows=n_rows,
                                          dim=dim, dtype=dtype, read_block=read_block, shard_rows=shard_rows,
-                                         check_finite=check_finite, source=source)
+                                         check_finite=check_finite, source=source, storage=storage)
     return atomic_replace_dir(staging, target, overwrite=overwrite)
 
 
@@ -256,6 +260,8 @@ def stage_embeddings_blocks(
     check_finite: bool = True,
     source: str | None = None,
     describe_rows: Callable[[np.ndarray], str] | None = None,
+    storage: StorageOptions | None = None,
+    linked: list | None = None,
 ) -> tuple[Path, dict]:
     """Write an encoder's shards and ``meta.json`` into a hidden staging folder beside its target
     (``embeddings/<encoder>/.<tileset>.<pid>-<uuid>.partial``) and return ``(staging, meta)``;
@@ -263,7 +269,12 @@ def stage_embeddings_blocks(
     normalised sample ids (the tileset need not be written yet). On any error the staging folder
     is removed and nothing else was touched. Raises like :func:`write_embeddings`; a
     :class:`NonFiniteError` names the rows, and what ``describe_rows(rows)`` says of them (e.g.
-    their slide and tile) when given."""
+    their slide and tile) when given.
+
+    ``storage`` (:class:`~.formats.StorageOptions`) writes Zarr shards instead of ``.npy``;
+    ``linked`` (``[(path, h5 dataset or None, rows)]`` per slide, in tileset order) writes no
+    rows at all: ``meta.json`` records the slide files to read in place (``read_block`` is then
+    not called; their rows are checked when a unit validates the embeddings)."""
     root = writable_root(root)
     check_name("encoder", encoder)
     check_name("tileset", tileset)
@@ -282,25 +293,52 @@ def stage_embeddings_blocks(
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.with_name(f".{tileset}.{os.getpid()}-{uuid.uuid4().hex}{PARTIAL_SUFFIX}")
     staging.mkdir()
+    storage = storage or StorageOptions()
+    fmt, stored = META_FORMAT, dtype
     try:
-        shards = []
-        for index, start in enumerate(range(0, int(n_rows), int(shard_rows)) if n_rows else [0]):
-            stop = min(int(n_rows), start + int(shard_rows))
-            name = f"shard-{index:05d}.npy"
-            shards.append({"file": name, "rows": stop - start,
-                           "sha256": _write_shard(staging / name, start, stop, dim, dtype, read_block,
-                                                  check_finite=check_finite, source=source,
-                                                  describe_rows=describe_rows)})
+        if linked is not None:
+            fmt, shards = LINKED_FORMAT, linked_shards(linked, what=source)
+            if sum(s["rows"] for s in shards) != int(n_rows):
+                raise AlignmentError(f"{source}: the linked files hold {sum(s['rows'] for s in shards)} rows, the "
+                                     f"tileset {n_rows}")
+        elif storage.format == "zarr":
+            fmt, stored, shards = ZARR_FORMAT, storage.stored_dtype(dtype), []
+
+            def read_rows(lo: int, hi: int) -> np.ndarray:
+                block = _checked_block(read_block, lo, hi, dim, dtype, check_finite=check_finite, source=source,
+                                       describe_rows=describe_rows)
+                if block.dtype != stored:  # an explicit storage dtype: what does not fit is refused
+                    with np.errstate(over="ignore"):  # what overflows is refused just below
+                        block = block.astype(stored)
+                    _check_finite_block(block, lo, f"{source} (stored as {stored})", describe_rows)
+                return block
+
+            for index, start in enumerate(range(0, int(n_rows), int(shard_rows)) if n_rows else [0]):
+                stop = min(int(n_rows), start + int(shard_rows))
+                name = f"shard-{index:05d}.zarr"
+                shards.append({"file": name, "rows": stop - start,
+                               "sha256": write_zarr_shard(staging / name, start, stop, dim, storage, dtype, read_rows)})
+        else:
+            shards = []
+            for index, start in enumerate(range(0, int(n_rows), int(shard_rows)) if n_rows else [0]):
+                stop = min(int(n_rows), start + int(shard_rows))
+                name = f"shard-{index:05d}.npy"
+                shards.append({"file": name, "rows": stop - start,
+                               "sha256": _write_shard(staging / name, start, stop, dim, dtype, read_block,
+                                                      check_finite=check_finite, source=source,
+                                                      describe_rows=describe_rows)})
         meta = {
-            "format": META_FORMAT,
+            "format": fmt,
             "version": META_VERSION,
             "encoder": encoder,
             "tileset": tileset,
             "shape": [int(n_rows), int(dim)],
-            "dtype": dtype.name,
+            "dtype": stored.name,
             "shards": shards,
             "sample_ids_sha256": sample_ids_digest(ids),
         }
+        if fmt == ZARR_FORMAT:
+            meta["zarr"] = {"codec": storage.codec, "chunk_rows": storage.chunk_rows_for(int(dim), stored.itemsize)}
         atomic_write_json(staging / "meta.json", meta)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -316,17 +354,26 @@ def _write_shard(path: Path, start: int, stop: int, dim: int, dtype: np.dtype, r
         np.lib.format.write_array_header_1_0(out, header)
         for lo in range(start, stop, _COPY_ROWS):
             hi = min(stop, lo + _COPY_ROWS)
-            block = np.asarray(read_block(lo, hi))
-            if block.shape != (hi - lo, int(dim)):
-                raise AlignmentError(f"{source}: rows {lo}:{hi} have shape {block.shape}, expected {(hi - lo, int(dim))}")
-            if block.dtype != dtype:
-                raise LayoutError(f"{source}: rows {lo}:{hi} have dtype {block.dtype}, expected {dtype}")
-            if check_finite:
-                _check_finite_block(block, lo, source, describe_rows)
+            block = _checked_block(read_block, lo, hi, dim, dtype, check_finite=check_finite, source=source,
+                                   describe_rows=describe_rows)
             out.write(np.ascontiguousarray(block).tobytes(order="C"))
         fh.flush()
         os.fsync(fh.fileno())
     return out.sha.hexdigest()
+
+
+def _checked_block(read_block, lo: int, hi: int, dim: int, dtype: np.dtype, *, check_finite: bool, source: str,
+                   describe_rows=None) -> np.ndarray:
+    """Rows ``lo:hi`` from ``read_block``, refused (naming the rows) when their shape or dtype is
+    not the declared one or, with ``check_finite``, when one holds NaN or inf."""
+    block = np.asarray(read_block(lo, hi))
+    if block.shape != (hi - lo, int(dim)):
+        raise AlignmentError(f"{source}: rows {lo}:{hi} have shape {block.shape}, expected {(hi - lo, int(dim))}")
+    if block.dtype != dtype:
+        raise LayoutError(f"{source}: rows {lo}:{hi} have dtype {block.dtype}, expected {dtype}")
+    if check_finite:
+        _check_finite_block(block, lo, source, describe_rows)
+    return block
 
 
 def _check_finite_block(block: np.ndarray, offset: int, source: str, describe_rows=None) -> None:
@@ -337,13 +384,14 @@ def _check_finite_block(block: np.ndarray, offset: int, source: str, describe_ro
 
 
 def write_embeddings(root, encoder: str, tileset: str, array, *, shard_rows: int | None = None,
-                     overwrite: bool = False, check_finite: bool = True) -> Path:
+                     overwrite: bool = False, check_finite: bool = True, storage: StorageOptions | None = None) -> Path:
     """Write ``embeddings/<encoder>/<tileset>/`` from a 2-D float array aligned with ``tiles.parquet``.
 
     ``array`` may be a numpy array (a memmap is streamed) or a dask array (computed one copy step at
     a time) of shape ``(n_tiles, dim)`` and dtype float16/32/64 (no silent cast). Shards hold
     ``shard_rows`` rows (default: about 128 MiB each). With ``check_finite`` rows holding NaN/inf
-    raise :class:`NonFiniteError` naming them. The folder appears only once complete.
+    raise :class:`NonFiniteError` naming them. The folder appears only once complete. ``storage``
+    (:class:`~.formats.StorageOptions`) writes Zarr shards instead of ``.npy``.
 
     Raises :class:`CacheNotFoundError` (tileset missing), :class:`AlignmentError` (row count),
     :class:`LayoutError` (dtype, ndim), ``FileExistsError`` (exists and not ``overwrite``).
@@ -363,7 +411,7 @@ def write_embeddings(root, encoder: str, tileset: str, array, *, shard_rows: int
 
     return write_embeddings_blocks(root, encoder, tileset, n_rows=n_rows, dim=dim, dtype=array.dtype,
                                    read_block=read_block, shard_rows=shard_rows, overwrite=overwrite,
-                                   check_finite=check_finite, source=source)
+                                   check_finite=check_finite, source=source, storage=storage)
 
 
 #: Columns a view must provide (itself or through its tileset), besides the confounder column.

@@ -139,7 +139,8 @@ def _batch_keys(system: str, *, queue_doc: str, directive: str) -> dict:
 _CORE: dict[str, dict[str, Key]] = {
     "job": {
         "name": Key((str,), "job", "Job name, recorded in provenance.", non_empty),
-        "cache": Key((str,), None, "Cache folder (required); relative to the job file's folder.", non_empty),
+        "cache": Key((str,), None, "Cache folder (required); relative to the job file's folder, or an fsspec URL "
+                     "(s3://bucket/prefix, gs://, az://; credentials from the environment, never the job).", non_empty),
         "store": Key((str,), None, "Results store folder (required); relative to the job file's folder.", non_empty),
         "encoders": Key((list,), [], "Encoders to score; empty = every encoder in the cache.", str_list),
         "views": Key((list,), [], "Views to score; empty = every view in the cache.", str_list),
@@ -293,14 +294,15 @@ class Metrics:
 
 @dataclass(frozen=True)
 class Job:
-    """A validated job. ``cache`` and ``store`` are absolute paths; each table is a typed,
+    """A validated job. ``store`` is an absolute path, ``cache`` one too or, for a cache in object
+    storage, a ``UPath`` of its URL (:func:`cachescore.cache.location.cache_root`); each table is a typed,
     frozen section (``job.execution.retries``, ``job.cluster.slurm.cores``,
     ``job.metrics.bootstrap.n_boot``) with every key of :data:`SCHEMA` present (defaults filled
     in); :func:`~.sections.as_dict` gives a section's plain table."""
 
     path: Path | None
     name: str
-    cache: Path
+    cache: Any  # Path, or a UPath for a URL
     store: Path
     encoders: tuple[str, ...]
     views: tuple[str, ...]
@@ -425,6 +427,17 @@ def parse_job(doc: dict, *, path: str | Path | None = None) -> Job:
         q = Path(p).expanduser()
         return q if q.is_absolute() else (base / q).resolve()
 
+    def resolve_cache(p: str):
+        """A folder as :func:`resolve`; a URL (``s3://bucket/prefix``) as a remote cache root."""
+        if "://" not in p or p.startswith("file://"):
+            return resolve(p.removeprefix("file://"))
+        from ..cache.location import cache_root  # deferred: only a remote cache needs it
+
+        try:
+            return cache_root(p)
+        except ValueError as exc:
+            raise JobError(f"{src}: job.cache: {exc}") from None
+
     metrics = Metrics(families=tuple(full["metrics"]["families"]), bootstrap=Bootstrap(**full["metrics.bootstrap"]),
                       tables={name: dict(full[f"metrics.{name}"]) for name in families.names(families.NEIGHBOUR)})
     document = {"schema_version": SCHEMA_VERSION, **full}
@@ -435,12 +448,17 @@ def parse_job(doc: dict, *, path: str | Path | None = None) -> Job:
         except ValueError as exc:
             raise JobError(str(exc)) from None
         document["probe"] = probe.to_dict()
+    if "://" in jobs["store"]:
+        raise JobError(f"{src}: job.store {jobs['store']!r}: the results store is a local or shared folder, not a URL "
+                       "(the cache may be one)")
     store = resolve(jobs["store"])
-    _check_apart(resolve(jobs["cache"]), store, src)
+    cache = resolve_cache(jobs["cache"])
+    if isinstance(cache, Path):
+        _check_apart(cache, store, src)
     return Job(
         path=Path(path).resolve() if path is not None else None,
         name=jobs["name"],
-        cache=resolve(jobs["cache"]),
+        cache=cache,
         store=store,
         encoders=tuple(jobs["encoders"]),
         views=tuple(jobs["views"]),

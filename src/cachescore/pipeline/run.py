@@ -23,6 +23,8 @@ from typing import TextIO
 
 from distributed import performance_report
 
+from ..cache.errors import CacheNotFoundError
+from ..cache.location import cache_root, check_cache_root, remote_session
 from ..cache.synthetic import make_demo_cache
 from ..errors import RunAborted, RunInterrupted
 from ..monitoring import RunMonitor, page_url, unit_entry
@@ -38,7 +40,7 @@ from .provenance import Provenance, hardware, new_run_id
 from .tables import publish_plan_results
 from .validate import refuse_invalid, validate_plan
 
-__all__ = ["RunSummary", "run_job", "ensure_demo_cache"]
+__all__ = ["RunSummary", "run_job", "ensure_demo_cache", "require_cache"]
 
 
 @dataclass
@@ -77,12 +79,22 @@ def ensure_demo_cache(job, out: TextIO | None = sys.stderr) -> bool:
     not complete (``cache.json``, written last by the synthesiser, is missing: absent folder or an
     interrupted synthesis). Returns whether it was (re)created."""
     d = job.demo
-    if not d.synthesise or (Path(job.cache) / "cache.json").exists():
+    if not d.synthesise or (cache_root(job.cache) / "cache.json").exists():
         return False
     say(out, f"synthesising demo cache at {job.cache}")
-    make_demo_cache(job.cache, n_slides_per_cell=d.n_slides_per_cell, tiles_per_slide=d.tiles_per_slide, dim=d.dim,
-                    seed=d.seed, overwrite=Path(job.cache).exists())
+    with remote_session(job.cache) as folder:  # a URL: synthesised in a staging folder, then uploaded
+        make_demo_cache(folder, n_slides_per_cell=d.n_slides_per_cell, tiles_per_slide=d.tiles_per_slide, dim=d.dim,
+                        seed=d.seed, overwrite=Path(folder).exists())
     return True
+
+
+def require_cache(job) -> None:
+    """Raise ``FileNotFoundError`` naming the job when its cache does not exist, and
+    :class:`~cachescore.cache.CacheAccessError` when its storage refuses to list it."""
+    try:
+        check_cache_root(job.cache)
+    except CacheNotFoundError:
+        raise FileNotFoundError(f"{job.path or '<job>'}: cache folder not found: {job.cache}") from None
 
 
 def _store_writable(store) -> bool:
@@ -154,8 +166,7 @@ def run_job(job, *, scheduler: str | None = None, out: TextIO | None = sys.stder
 def _prepare(job, plan: Plan | None, out) -> tuple:
     """The store (stale runs marked) and the validated plan, printed in one line."""
     ensure_demo_cache(job, out)
-    if not Path(job.cache).is_dir():
-        raise FileNotFoundError(f"{job.path or '<job>'}: cache folder not found: {job.cache}")
+    require_cache(job)
     store = ResultsStore(job.store)
     for stale in store.mark_stale_runs():  # warnings reach stderr even when progress is off
         say(out or sys.stderr, f"run {stale} ended without finishing (its process is gone): marked 'interrupted'")

@@ -30,7 +30,7 @@ from ..jobs import load_job
 from ..store import ResultsStore
 from ..store.lock import StoreLockedError
 from .messages import say
-from .run import ensure_demo_cache, run_job
+from .run import ensure_demo_cache, require_cache, run_job
 from .plan import plan_job
 from .status import pending_reasons
 
@@ -110,8 +110,7 @@ def _poll_once(job, n: int, run: Callable, *, out, run_out, run_kwargs: dict) ->
     ``out``. Store and cluster troubles end the poll with ``error`` (the next poll tries again);
     a missing cache raises."""
     ensure_demo_cache(job, out)
-    if not Path(job.cache).is_dir():
-        raise FileNotFoundError(f"{job.path or '<job>'}: cache folder not found: {job.cache}")
+    require_cache(job)
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     try:
         new, known = poll_job(job)
