@@ -34,7 +34,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
@@ -75,9 +74,11 @@ def zarr_copy(src: Path, dst: Path) -> float:
     return time.perf_counter() - t0
 
 
-def trident_folder(src: Path, dst: Path) -> Path:
+def trident_folder(src: Path, dst: Path, tiles_per_slide: int | None = None) -> Path:
     """One ``<slide>.h5`` per slide (``features``, ``coords``) from the scale cache, and the slide
-    table (``slides.csv``: group_id, label, centre)."""
+    table (``slides.csv``: group_id, label, centre). ``tiles_per_slide``: regroup the rows into
+    slides of that many tiles (a whole-slide image at 20x has thousands; the scale cache's
+    slides have 20-100, for its metrics); their label and centre are their first row's."""
     import h5py
     from cachescore.cache import Cache
 
@@ -88,6 +89,8 @@ def trident_folder(src: Path, dst: Path) -> Path:
     cache = Cache(src)
     tiles = cache.read_tileset("tiles")
     rows = cache.load_rows("enc0", "tiles")
+    if tiles_per_slide:
+        tiles["group_id"] = [f"slide{i // tiles_per_slide:05d}" for i in range(len(tiles))]
     g = tiles["group_id"].to_numpy()
     starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
     stops = np.r_[starts[1:], len(g)]
@@ -99,18 +102,20 @@ def trident_folder(src: Path, dst: Path) -> Path:
     return dst
 
 
-def imports(folder: Path, workdir: Path) -> dict:
-    """Copy import (``.npy`` shards) vs ``--link`` import of the TRIDENT folder: seconds and bytes."""
+def imports(folder: Path, workdir: Path, tag: str = "", encoders: int = 1) -> dict:
+    """Copy import (``.npy`` shards) vs ``--link`` import of the TRIDENT folder as ``encoders``
+    encoders (the same files under each name: what a cache of several encoders of one dim
+    costs): seconds and bytes."""
     from cachescore.cli import main
 
-    out = {}
+    out = {"encoders": encoders}
+    names = [arg for i in range(encoders) for arg in ("--encoder", f"enc{i}={folder / 'feats'}")]
     for kind, extra in (("copy", []), ("link", ["--link"])):
-        root = workdir / f"io-trident-{kind}"
+        root = workdir / f"io-trident-{kind}{tag}"
         shutil.rmtree(root, ignore_errors=True)
         t0 = time.perf_counter()
         rc = main(["import", str(root), "--tileset", "tiles", "--manifest", str(folder / "slides.csv"),
-                   "--layout", "per_slide", "--encoder", f"enc0={folder / 'feats'}", "--view",
-                   "scale_all=centre:all"] + extra)
+                   "--layout", "per_slide", "--view", "scale_all=centre:all"] + names + extra)
         assert rc == 0, kind
         out[kind] = {"seconds": time.perf_counter() - t0, "bytes": _du(root), "root": str(root)}
     out["time_ratio"] = out["link"]["seconds"] / out["copy"]["seconds"]
@@ -172,6 +177,11 @@ def main(argv=None) -> int:
     p.add_argument("--block-rows", type=int, default=65_536)
     p.add_argument("--gather-rows", type=int, default=20_000)
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--tiles-per-slide", type=int, default=5000,
+                   help="tiles per slide of the second TRIDENT folder, for the import comparison")
+    p.add_argument("--import-encoders", type=int, default=8,
+                   help="encoders of the multi-encoder import comparison (the same files under each name)")
+    p.add_argument("--imports-only", action="store_true", help="only the copy vs --link import comparison")
     p.add_argument("--no-run", dest="run", action="store_false", help="reads and imports only")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
@@ -186,10 +196,21 @@ def main(argv=None) -> int:
     result["zarr_write_s"], result["bytes"] = zsec, {"npy": _du(npy), "zarr": _du(zroot)}
     folder = trident_folder(npy, work / f"io-trident-{a.rows}x{a.dim}")
     result["imports"] = imp = imports(folder, work)
-    print(f"import of the TRIDENT folder: copy {imp['copy']['seconds']:.1f} s / {imp['copy']['bytes'] / 2**20:.0f} MiB, "
-          f"link {imp['link']['seconds']:.2f} s / {imp['link']['bytes'] / 2**20:.2f} MiB -> time "
-          f"{100 * imp['time_ratio']:.2f} %, disk {100 * imp['disk_ratio']:.3f} %", flush=True)
+    big = trident_folder(npy, work / f"io-trident-{a.rows}x{a.dim}-t{a.tiles_per_slide}", a.tiles_per_slide)
+    result["imports_wsi"] = imports(big, work, tag=f"-t{a.tiles_per_slide}")
+    result["imports_wsi_many"] = imports(big, work, tag=f"-t{a.tiles_per_slide}-e{a.import_encoders}",
+                                         encoders=a.import_encoders)
+    for what, r in (("the scale cache's slides (20-100 tiles), 1 encoder", imp),
+                    (f"slides of {a.tiles_per_slide} tiles, 1 encoder", result["imports_wsi"]),
+                    (f"slides of {a.tiles_per_slide} tiles, {a.import_encoders} encoders", result["imports_wsi_many"])):
+        print(f"import, {what}: copy {r['copy']['seconds']:.2f} s / {r['copy']['bytes'] / 2**20:.0f} MiB, link "
+              f"{r['link']['seconds']:.2f} s / {r['link']['bytes'] / 2**20:.2f} MiB -> time "
+              f"{100 * r['time_ratio']:.2f} %, disk {100 * r['disk_ratio']:.3f} %", flush=True)
 
+    if a.imports_only:
+        if a.json:
+            Path(a.json).write_text(json.dumps(result, indent=1, default=str))
+        return 0
     server, ep = se.start_endpoint()
     env = dict(os.environ, AWS_ACCESS_KEY_ID=ep.key, AWS_SECRET_ACCESS_KEY=ep.secret, AWS_ENDPOINT_URL=ep.url,
                AWS_DEFAULT_REGION="us-east-1")

@@ -43,6 +43,9 @@ def start_endpoint():
     import boto3
     from moto.server import ThreadedMotoServer
 
+    import logging
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # not a line per request
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
@@ -73,22 +76,29 @@ def enforced_auth(endpoint: Endpoint):
         _reset_auth(endpoint, b"inf")
 
 
-def s3_env(monkeypatch, endpoint: Endpoint, *, secret: str | None = None) -> None:
-    """Point this process (and processes it starts) at ``endpoint``; ``secret`` overrides the key's."""
-    for name in ENV_KEYS:
+def s3_env(monkeypatch, endpoint: Endpoint) -> None:
+    """Point this process (and processes it starts) at ``endpoint`` with the IAM user's key."""
+    for name, value in env_for(endpoint).items():
+        monkeypatch.setenv(name, value)
+    for name in ("AWS_SESSION_TOKEN", "AWS_PROFILE"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", endpoint.key)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", endpoint.secret if secret is None else secret)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint.url)
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    forget_clients()
+    fresh_listings()
 
 
-def forget_clients() -> None:
-    """Drop fsspec's cached S3 file systems (they keep the credentials they were made with)."""
+def env_for(endpoint: Endpoint, *, secret: str | None = None) -> dict:
+    """The environment variables that point a process at ``endpoint`` (``secret`` overrides the key's)."""
+    return {"AWS_ACCESS_KEY_ID": endpoint.key, "AWS_SECRET_ACCESS_KEY": endpoint.secret if secret is None else secret,
+            "AWS_ENDPOINT_URL": endpoint.url, "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def fresh_listings() -> None:
+    """Forget the listings the process's S3 file system cached (objects changed behind it). The
+    file system itself is kept: dropping it leaves its HTTP session to the garbage collector,
+    which warns (a ResourceWarning at a random later test). A test that needs other credentials
+    runs a subprocess with :func:`env_for`."""
     import s3fs
 
-    s3fs.S3FileSystem.clear_instance_cache()
+    s3fs.S3FileSystem().invalidate_cache()
 
 
 def new_bucket() -> str:
@@ -96,7 +106,7 @@ def new_bucket() -> str:
     import s3fs
 
     name = f"cachescore-{uuid.uuid4().hex[:12]}"
-    s3fs.S3FileSystem(skip_instance_cache=True).mkdir(name)
+    s3fs.S3FileSystem().mkdir(name)
     return name
 
 

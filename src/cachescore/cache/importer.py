@@ -44,8 +44,8 @@ from .writer import (
     normalize_ids,
     parquet_table,
     stage_embeddings_blocks,
+    store_tileset_frame,
     tileset_frame,
-    write_tileset,
     write_view,
 )
 
@@ -87,9 +87,10 @@ class _Source:
             shape, dtype = arr.shape, arr.dtype
         elif suffix in (".h5", ".hdf5"):
             self.kind = "h5"
-            with self._h5() as fh:
+            with self._h5() as fh:  # one open: the header and the (small) coords a slide table needs
                 dset = self._dataset(fh)
                 shape, dtype = dset.shape, dset.dtype
+                self._coords = np.asarray(fh["coords"]) if "coords" in fh else None
         else:
             raise LayoutError(f"{what}: {self.path} has unsupported suffix {suffix!r}; use .npy or .h5")
         where = f"{self.path}" + (f" dataset {h5_dataset!r}" if self.kind == "h5" else "")
@@ -149,12 +150,9 @@ class _Source:
     def coords(self) -> np.ndarray | None:
         """The ``coords`` dataset of an ``.h5`` slide file (TRIDENT / CLAM: ``(n_tiles, 2)`` level-0
         x, y), as int64 when integral; None for ``.npy`` files or h5 files without one."""
-        if self.kind != "h5":
+        if self.kind != "h5" or self._coords is None:
             return None
-        with self._h5() as fh:
-            if "coords" not in fh:
-                return None
-            raw = np.asarray(fh["coords"])
+        raw = self._coords
         if raw.ndim != 2 or raw.shape[1] != 2 or raw.shape[0] != self.shape[0]:
             raise LayoutError(f"{self.what}: {self.path} dataset 'coords' has shape {raw.shape}; expected "
                               f"({self.shape[0]}, 2), one (x, y) per row of {self.h5_dataset!r}")
@@ -287,8 +285,29 @@ def _slide_coords(first: _Source, other: _Source, slide: str, encoder: str, firs
                              "encoders' tiles must be the same tiles in the same order")
 
 
+class _Opened:
+    """The slide files of one import, each located and opened once (the manifest's expansion and
+    the read plans both need them): every encoder's slide paths, every file's :class:`_Source`."""
+
+    def __init__(self, h5_dataset: str, follow_symlinks: bool):
+        self.h5_dataset, self.follow_symlinks = h5_dataset, follow_symlinks
+        self._paths: dict = {}
+        self._sources: dict = {}
+
+    def paths(self, name: str, spec, slides: list[str]) -> dict[str, Path]:
+        key = (name, tuple(slides))
+        if key not in self._paths:
+            self._paths[key] = _slide_paths(spec, slides, encoder=name, follow_symlinks=self.follow_symlinks)
+        return self._paths[key]
+
+    def source(self, path: Path, what: str) -> _Source:
+        if str(path) not in self._sources:
+            self._sources[str(path)] = _Source(path, h5_dataset=self.h5_dataset, what=what)
+        return self._sources[str(path)]
+
+
 def tiles_from_slides(frame: pd.DataFrame, *, slide_column: str, encoders: Mapping[str, object], h5_dataset: str,
-                      source: str, follow_symlinks: bool = False) -> pd.DataFrame:
+                      source: str, follow_symlinks: bool = False, opened: _Opened | None = None) -> pd.DataFrame:
     """The tile manifest of a slide table: one row per tile of each slide's feature file.
 
     The first encoder's file of each slide gives the tiles: ``tile_index`` (row in the file),
@@ -307,12 +326,13 @@ def tiles_from_slides(frame: pd.DataFrame, *, slide_column: str, encoders: Mappi
                          "the slide files (give a tile manifest with sample_id instead to set them yourself)")
     slides = [str(s) for s in normalize_ids(frame[slide_column], source=source, column=slide_column)]
     names = list(encoders)
-    paths = {name: _slide_paths(encoders[name], slides, encoder=name, follow_symlinks=follow_symlinks) for name in names}
+    opened = opened or _Opened(h5_dataset, follow_symlinks)
+    paths = {name: opened.paths(name, encoders[name], slides) for name in names}
     counts, coords = [], []
     for s in slides:
-        first = _Source(paths[names[0]][s], h5_dataset=h5_dataset, what=f"encoder {names[0]!r}, slide {s!r}")
+        first = opened.source(paths[names[0]][s], f"encoder {names[0]!r}, slide {s!r}")
         for name in names[1:]:
-            other = _Source(paths[name][s], h5_dataset=h5_dataset, what=f"encoder {name!r}, slide {s!r}")
+            other = opened.source(paths[name][s], f"encoder {name!r}, slide {s!r}")
             _slide_coords(first, other, s, name, names[0])
         counts.append(first.shape[0])
         coords.append(first.coords())
@@ -432,15 +452,16 @@ def import_cache(
     root = writable_root(root)  # a Cache opened read-only is refused before anything is read
     _check_names(layout, tileset, encoders, views)
     frame, source = read_manifest(manifest, text_columns=("sample_id", "image_path", slide_column))
+    opened = _Opened(h5_dataset, follow_symlinks)  # each slide file located and opened once
     frame, tile_index_column = _tile_frame(frame.reset_index(drop=True), source, encoders, layout=layout,
                                            slide_column=slide_column, tile_index_column=tile_index_column,
-                                           h5_dataset=h5_dataset, follow_symlinks=follow_symlinks)
+                                           h5_dataset=h5_dataset, follow_symlinks=follow_symlinks, opened=opened)
     storage = storage or StorageOptions()
     if storage.link and layout != "per_slide":
         raise CacheError("--link reads per-slide feature files in place: it needs --layout per_slide")
     plans = _read_plans(frame, source, encoders, layout=layout, slide_column=slide_column,
                         tile_index_column=tile_index_column, h5_dataset=h5_dataset, follow_symlinks=follow_symlinks,
-                        link=storage.link)
+                        link=storage.link, opened=opened)
     out = tileset_frame(tileset, frame)
     tiles_file = tiles_path(root, tileset)
     _check_targets(root, tileset, out, tiles_file, frame, views, source, overwrite=overwrite)
@@ -451,7 +472,7 @@ def import_cache(
                                   and layout == "per_slide" else f"{source} rows"))
     # publication: every input has been read and checked; the manifest first, then each encoder by rename
     if not tiles_file.is_file():
-        write_tileset(root, tileset, frame)
+        store_tileset_frame(root, tileset, out)  # `out` is tileset_frame(frame): normalised once
     for name, staging in staged.items():
         atomic_replace_dir(staging, embeddings_dir(root, name, tileset), overwrite=True)
     for view, options in (views or {}).items():
@@ -481,14 +502,14 @@ def _check_names(layout: str, tileset: str, encoders, views) -> None:
 
 
 def _tile_frame(frame: pd.DataFrame, source: str, encoders, *, layout, slide_column, tile_index_column, h5_dataset,
-                follow_symlinks) -> tuple[pd.DataFrame, str | None]:
+                follow_symlinks, opened: _Opened | None = None) -> tuple[pd.DataFrame, str | None]:
     """The tile manifest (a ``per_slide`` slide table expanded into tiles) and its tile-index
     column; raises :class:`CacheError` when ``sample_id`` or ``image_path`` is missing."""
     if layout == "per_slide" and "sample_id" not in frame.columns:
         _check_slide_table(frame, slide_column, source)
     if layout == "per_slide" and is_slide_table(frame, slide_column):
         frame = tiles_from_slides(frame, slide_column=slide_column, encoders=encoders, h5_dataset=h5_dataset,
-                                  source=source, follow_symlinks=follow_symlinks)
+                                  source=source, follow_symlinks=follow_symlinks, opened=opened)
         tile_index_column = "tile_index"
     missing = [c for c in ("sample_id", "image_path") if c not in frame.columns]
     if missing:
@@ -602,7 +623,7 @@ def _check_view_columns(frame: pd.DataFrame, view: str, confounder: str, source:
 
 def _read_plans(frame: pd.DataFrame, source: str, encoders: Mapping[str, object], *, layout: str, slide_column: str,
                 tile_index_column: str | None, h5_dataset: str, follow_symlinks: bool = False,
-                link: bool = False) -> dict[str, tuple]:
+                link: bool = False, opened: _Opened | None = None) -> dict[str, tuple]:
     """Per encoder ``(dim, dtype, read_block, linked)`` after checking every file against the
     manifest; ``linked`` (with ``link``) lists ``(path, h5 dataset or None, rows)`` per slide."""
     n = len(frame)
@@ -635,8 +656,9 @@ def _read_plans(frame: pd.DataFrame, source: str, encoders: Mapping[str, object]
         tile_index = raw.to_numpy().astype(np.int64)
     counts = np.bincount(codes, minlength=len(slides))
     for name, spec in encoders.items():
-        paths = _slide_paths(spec, slides, encoder=name, follow_symlinks=follow_symlinks)
-        sources = [_Source(paths[s], h5_dataset=h5_dataset, what=f"encoder {name!r}, slide {s!r}") for s in slides]
+        opened = opened or _Opened(h5_dataset, follow_symlinks)
+        paths = opened.paths(name, spec, slides)
+        sources = [opened.source(paths[s], f"encoder {name!r}, slide {s!r}") for s in slides]
         dims = {src.shape[1] for src in sources}
         dtypes = {src.dtype for src in sources}
         if len(dims) != 1 or len(dtypes) != 1:

@@ -163,7 +163,12 @@ def write_tileset(root, tileset: str, frame: pd.DataFrame, *, overwrite: bool = 
     """
     if not isinstance(frame, pd.DataFrame):
         raise TypeError(f"tileset {tileset!r}: frame must be a pandas DataFrame, got {type(frame).__name__}")
-    out = tileset_frame(tileset, frame)
+    return store_tileset_frame(root, tileset, tileset_frame(tileset, frame), overwrite=overwrite)
+
+
+def store_tileset_frame(root, tileset: str, out: pd.DataFrame, *, overwrite: bool = False) -> Path:
+    """Write a frame :func:`tileset_frame` returned (already normalised and checked: the importer
+    does not normalise a manifest of millions of tiles twice)."""
     path = tiles_path(writable_root(root), tileset)
     source = f"tileset {tileset!r}"
     _write_parquet(path, out, string_columns=("sample_id", "image_path"), overwrite=overwrite, source=source)
