@@ -101,7 +101,7 @@ def linked_shards(files: list[tuple[str, str | None, int]], *, what: str) -> lis
     """The ``meta.json`` shard entries of slide files linked in place: ``files`` is
     ``[(path, h5 dataset or None for .npy, rows)]`` in tileset order. Records each file's
     absolute path, dataset, rows, size, mtime (ns) and quick hash (:func:`.shards.quick_hash`:
-    its size and first and last MiB, so a link costs a few reads per slide, not a copy)."""
+    its size and first and last 64 KiB, so a link costs a few reads per slide, not a copy)."""
     out = []
     for path, dataset, rows in files:
         full = os.path.abspath(path)

@@ -289,7 +289,7 @@ class LinkedShard(_RowsBase):
 
 
 #: Bytes of a linked file's head and tail that its quick content hash covers.
-QUICK_HASH_BYTES = 1 << 20
+QUICK_HASH_BYTES = 64 << 10
 
 
 def quick_hash(path: str) -> str:
