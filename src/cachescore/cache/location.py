@@ -28,9 +28,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from .errors import CacheAccessError, CacheNotFoundError
+from .errors import CacheAccessError, CacheError, CacheNotFoundError
 
-__all__ = ["cache_root", "is_remote", "is_file", "signature", "tree_signature", "open_binary", "access_error", "check_cache_root",
+__all__ = ["cache_root", "is_remote", "is_file", "signature", "tree_signature", "read_errors", "open_binary", "access_error", "check_cache_root",
            "remote_session"]
 
 #: File suffixes read into a remote cache's local staging copy (everything but the shards).
@@ -158,6 +158,23 @@ def is_file(path) -> bool:
         return _kind(path) == "file"
     except PermissionError as exc:
         raise access_error(str(path), exc) from None
+
+
+@contextmanager
+def read_errors(where: str, *, missing, broken, catch=(OSError,)):
+    """Errors of a read of ``where`` as the cache's: a missing file or object raises
+    ``missing()``, a refused request :class:`CacheAccessError`, any other of ``catch``
+    ``broken(exc)``; the cache's own errors pass through."""
+    try:
+        yield
+    except CacheError:
+        raise
+    except FileNotFoundError:
+        raise missing() from None
+    except PermissionError as exc:
+        raise access_error(where, exc) from None
+    except catch as exc:
+        raise broken(exc) from exc
 
 
 def check_cache_root(root) -> None:

@@ -54,6 +54,7 @@ from .location import (
     is_file,
     is_remote,
     open_binary,
+    read_errors,
     signature,
     tree_signature,
 )
@@ -253,14 +254,10 @@ class Cache:
         path = view_table_path(self.root, view)
         for attempt in range(1, VIEW_READ_ATTEMPTS + 1):
             spec = self.view_spec(view)
-            try:
+            with read_errors(f"view {view!r} table {path}",
+                             missing=lambda: CacheNotFoundError(f"view {view!r} table not found: {path}"),
+                             broken=lambda exc: LayoutError(f"{path}: cannot read: {exc}")):
                 data = path.read_bytes()
-            except FileNotFoundError:
-                raise CacheNotFoundError(f"view {view!r} table not found: {path}") from None
-            except PermissionError as exc:
-                raise access_error(f"view {view!r} table {path}", exc) from None
-            except OSError as exc:
-                raise LayoutError(f"{path}: cannot read: {exc}") from exc
             if spec.table_sha256 is None or (
                 (spec.table_bytes is None or len(data) == spec.table_bytes)
                 and hashlib.sha256(data).hexdigest() == spec.table_sha256

@@ -17,7 +17,7 @@ import numpy as np
 
 from .._hashing import sha256_file
 from .errors import ShardError, ShardNotFoundError
-from .location import access_error, is_remote
+from .location import access_error, is_remote, read_errors
 
 __all__ = ["open_shard", "read_shard_rows", "gather_rows", "shard_digest", "RemoteShard", "ZarrShard", "LinkedShard",
            "link_reference", "quick_hash", "zarr_digest"]
@@ -29,6 +29,15 @@ HEADER_PROBE = 4096
 GAP_ROWS = 64
 #: Most bytes a remote request fetches; longer runs are split.
 MAX_REQUEST_BYTES = 16 << 20
+
+
+def shard_reads(label: str, where: str, *, missing: str = "shard file missing: {where}", broken=(OSError,)):
+    """Read errors of the shard at ``where`` (:func:`.location.read_errors`), each naming it: a
+    missing file or object :class:`ShardNotFoundError` (``missing``), a refused request
+    :class:`~.errors.CacheAccessError`, any other of ``broken`` :class:`ShardError`."""
+    return read_errors(f"{label}: shard {where}", catch=broken,
+                       missing=lambda: ShardNotFoundError(f"{label}: {missing.format(where=where)}"),
+                       broken=lambda exc: ShardError(f"{label}: shard {where} cannot be read: {exc}"))
 
 
 class RemoteShard:
@@ -45,13 +54,9 @@ class RemoteShard:
 
         self.url, self.label = url, label
         self.fs, self.path = fsspec.core.url_to_fs(url)
-        try:
+        with shard_reads(label, url):
             size = int(self.fs.size(self.path))
             head = self.fs.cat_file(self.path, start=0, end=min(size, HEADER_PROBE))
-        except FileNotFoundError:
-            raise ShardNotFoundError(f"{label}: shard file missing: {url}") from None
-        except PermissionError as exc:
-            raise access_error(f"{label}: shard {url}", exc) from None
         self.offset, self.shape, self.dtype = _npy_header(head, url, label)
         self.ndim = len(self.shape)
         self.row_bytes = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
@@ -63,14 +68,8 @@ class RemoteShard:
         paths = [self.path] * len(starts)
         first = (self.offset + starts * self.row_bytes).tolist()
         last = (self.offset + stops * self.row_bytes).tolist()
-        try:
+        with shard_reads(self.label, self.url):
             return self.fs.cat_ranges(paths, first, last, on_error="raise")
-        except FileNotFoundError:
-            raise ShardNotFoundError(f"{self.label}: shard file missing: {self.url}") from None
-        except PermissionError as exc:
-            raise access_error(f"{self.label}: shard {self.url}", exc) from None
-        except OSError as exc:
-            raise ShardError(f"{self.label}: shard {self.url} cannot be read: {exc}") from exc
 
     def _rows(self, lo: int, hi: int) -> np.ndarray:
         out = np.empty((max(hi - lo, 0),) + self.shape[1:], dtype=self.dtype)
@@ -132,15 +131,10 @@ class RemoteShard:
         """Every row and the sha256 of the whole object (header included), from one read: what
         a validation needs (checksum and finiteness) without fetching the object twice."""
         h, blob = hashlib.sha256(), bytearray()
-        try:
-            with self.fs.open(self.path, "rb", block_size=1 << 22) as fh:
-                while chunk := fh.read(1 << 22):
-                    h.update(chunk)
-                    blob += chunk
-        except FileNotFoundError:
-            raise ShardNotFoundError(f"{self.label}: shard file missing: {self.url}") from None
-        except PermissionError as exc:
-            raise access_error(f"{self.label}: shard {self.url}", exc) from None
+        with shard_reads(self.label, self.url), self.fs.open(self.path, "rb", block_size=1 << 22) as fh:
+            while chunk := fh.read(1 << 22):
+                h.update(chunk)
+                blob += chunk
         if len(blob) < self.offset + self.size * self.dtype.itemsize:
             raise ShardError(f"{self.label}: shard {self.url} is corrupt or truncated: {len(blob)} bytes")
         rows = np.frombuffer(blob, dtype=self.dtype, count=self.size, offset=self.offset)
@@ -222,14 +216,9 @@ class ZarrShard(_RowsBase):
         self.shape, self.dtype, self.ndim = tuple(self.array.shape), np.dtype(self.array.dtype), self.array.ndim
 
     def _read(self, selection) -> np.ndarray:
-        try:
+        with shard_reads(self.label, self.where, missing="a chunk of shard {where} is missing",
+                         broken=(ValueError, RuntimeError, OSError)):
             return np.asarray(selection())
-        except FileNotFoundError as exc:
-            raise ShardNotFoundError(f"{self.label}: a chunk of shard {self.where} is missing: {exc}") from None
-        except PermissionError as exc:
-            raise access_error(f"{self.label}: shard {self.where}", exc) from None
-        except (ValueError, RuntimeError, OSError) as exc:
-            raise ShardError(f"{self.label}: shard {self.where} cannot be decoded: {exc}") from exc
 
     def _slice(self, lo: int, hi: int) -> np.ndarray:
         return self._read(lambda: self.array[lo:hi])
