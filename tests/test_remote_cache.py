@@ -267,3 +267,37 @@ def test_zarr_shards_in_s3_are_read_by_chunks_and_checked(bucket, tmp_path):
     fs.pipe(chunk, data[:-1] + bytes([data[-1] ^ 0xFF]))
     with pytest.raises(ShardError, match=r"shard-00001\.zarr .*does not match its sha256"):
         Cache(url).validate_embeddings("z", "tiles", reuse=False)
+
+
+def test_any_fsspec_protocol_reads_the_same_and_a_missing_package_is_named(tmp_path):
+    """Nothing in the reader is S3-specific: a cache in fsspec's in-memory file system reads the
+    same rows and views as on disk (gs:// and az:// go the same way through gcsfs / adlfs); a
+    protocol whose package is absent is refused at job parsing, naming the package."""
+    import fsspec
+
+    from cachescore.cache import Cache, make_demo_cache
+    from cachescore.jobs import JobError, load_job
+
+    make_demo_cache(tmp_path / "demo", seed=3)
+    fs = fsspec.filesystem("memory")
+    for path in (tmp_path / "demo").rglob("*"):
+        if path.is_file():
+            fs.pipe(f"/demo3/{path.relative_to(tmp_path / 'demo').as_posix()}", path.read_bytes())
+    local, remote = Cache(tmp_path / "demo"), Cache("memory://demo3")
+    assert remote.encoders() == local.encoders() and remote.views() == local.views()
+    for view in local.views():
+        pd.testing.assert_frame_equal(remote.read_view(view), local.read_view(view))
+    for enc in local.encoders():
+        np.testing.assert_array_equal(remote.load_rows(enc, "demo"), local.load_rows(enc, "demo"))
+        assert remote.embedding_fingerprint(enc, "demo") == local.embedding_fingerprint(enc, "demo")
+        remote.validate_embeddings(enc, "demo", reuse=False)
+    fs.rm("/demo3", recursive=True)
+
+    for url, package in (("gs://bkt/cache", "gcsfs"), ("az://bkt/cache", "adlfs")):
+        try:
+            __import__(package)
+            continue  # installed here: nothing to refuse
+        except ImportError:
+            pass
+        with pytest.raises(JobError, match=rf"job.cache: cache URL {url}: no fsspec file system .*install its package"):
+            load_job(_job(tmp_path, "g", url, tmp_path / "store"))

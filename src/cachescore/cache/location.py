@@ -80,7 +80,9 @@ def cache_root(root):
     try:
         from upath import UPath  # deferred: only a remote cache needs it
 
-        return UPath(text.rstrip("/"))
+        path = UPath(text.rstrip("/"))
+        path.fs  # noqa: B018 - made now, so a missing package is said here, not at the first read
+        return path
     except (ImportError, ValueError) as exc:
         raise CacheAccessError(f"cache URL {text}: no fsspec file system for {parts.scheme!r} ({exc}); install its "
                                "package (s3fs for s3://, gcsfs for gs://, adlfs for az://)") from None
