@@ -24,9 +24,10 @@ __all__ = ["open_shard", "read_shard_rows", "gather_rows", "shard_digest", "Remo
 
 #: Bytes of a remote shard read first: the ``.npy`` header (64-byte aligned, usually 128 bytes).
 HEADER_PROBE = 4096
-#: Rows between two wanted rows of a remote shard below which one request fetches both (and
-#: the rows between): fewer round trips for a little more transfer.
-GAP_ROWS = 64
+#: Bytes between two wanted rows of a remote shard below which one request fetches both (and the
+#: rows between): about what an object store transfers in one request's latency, so fewer round
+#: trips cost no more time than the extra bytes.
+GAP_BYTES = 1 << 20
 #: Most bytes a remote request fetches; longer runs are split.
 MAX_REQUEST_BYTES = 16 << 20
 
@@ -94,7 +95,8 @@ class RemoteShard:
             return out
         if np.any(rows[1:] < rows[:-1]) or rows[0] < 0 or rows[-1] >= self.shape[0]:
             raise IndexError(f"{self.label}: shard {self.url}: rows must be sorted positions in [0, {self.shape[0]})")
-        cut = np.flatnonzero(np.diff(rows) > GAP_ROWS) + 1  # runs of nearby rows: one request each
+        gap = max(1, GAP_BYTES // max(self.row_bytes, 1))
+        cut = np.flatnonzero(np.diff(rows) > gap) + 1  # runs of nearby rows: one request each
         starts = rows[np.concatenate([[0], cut])]
         stops = rows[np.concatenate([cut - 1, [rows.size - 1]])] + 1
         step = max(1, MAX_REQUEST_BYTES // max(self.row_bytes, 1))
