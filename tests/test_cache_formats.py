@@ -234,3 +234,25 @@ def test_every_format_scores_identically(tmp_path, capsys):
         assert main(["run", str(job), "--quiet"]) == 0, capsys.readouterr()
         digests[fmt] = digest_store(tmp_path / f"store-{fmt}", ignore=("inputs",))  # input digests differ by format
     assert len(digests["npy"]) == 3 and digests["npy"] == digests["zarr"] == digests["linked"]
+
+
+def test_linked_npy_slide_files_are_read_in_place(tmp_path):
+    """``--link`` takes per-slide ``.npy`` files too (a slide table gives their tiles in order)."""
+    rng = np.random.default_rng(5)
+    (tmp_path / "feats").mkdir()
+    slides, parts = [f"P{i}" for i in range(6)], []
+    for i, s in enumerate(slides):
+        x = rng.standard_normal((10 + i, 8)).astype(np.float32)
+        np.save(tmp_path / "feats" / f"{s}.npy", x)
+        parts.append(x)
+    table = pd.DataFrame({"group_id": slides, "label": ["a", "b"] * 3, "centre": ["x", "y", "z"] * 2})
+    cache = import_cache(tmp_path / "cache", tileset="tiles", manifest=table, encoders={"enc": tmp_path / "feats"},
+                         layout="per_slide", storage=StorageOptions(link=True))
+    meta = cache.validate_embeddings("enc", "tiles")
+    assert meta.format == "cachescore.linked" and all(s.dataset is None for s in meta.shards)
+    np.testing.assert_array_equal(cache.load_rows("enc", "tiles"), np.concatenate(parts))
+    before = os.stat(tmp_path / "feats" / "P2.npy").st_mtime_ns
+    np.save(tmp_path / "feats" / "P2.npy", parts[2] + 1)  # rewritten: same size, a later mtime
+    os.utime(tmp_path / "feats" / "P2.npy", ns=(before + 10**9, before + 10**9))  # on any clock resolution
+    with pytest.raises(ShardError, match=r"P2\.npy changed since it was linked"):
+        Cache(tmp_path / "cache").load_rows("enc", "tiles", np.arange(25, 30))
