@@ -268,6 +268,15 @@ def test_zarr_shards_in_s3_are_read_by_chunks_and_checked(bucket, tmp_path):
     with pytest.raises(ShardError, match=r"shard-00001\.zarr .*does not match its sha256"):
         Cache(url).validate_embeddings("z", "tiles", reuse=False)
 
+    # re-imported as one .npy shard: the Zarr stores' objects go, meta.json is the new one
+    assert main(["import", url, "--tileset", "tiles", "--manifest", str(tmp_path / "tiles.csv"), "--overwrite",
+                 "--shard-rows", "300", "--encoder", f"z={tmp_path / 'z.npy'}"]) == 0
+    se.fresh_listings()
+    left = sorted(p.rsplit("/tiles/", 1)[1] for p in fs.find(f"{bucket}/zc/embeddings/z/tiles"))
+    assert left == ["meta.json", "shard-00000.npy"]
+    assert Cache(url).validate_embeddings("z", "tiles", reuse=False).format == "cachescore.npy-shards"
+    np.testing.assert_array_equal(Cache(url).load_rows("z", "tiles"), x)
+
 
 def test_any_fsspec_protocol_reads_the_same_and_a_missing_package_is_named(tmp_path):
     """Nothing in the reader is S3-specific: a cache in fsspec's in-memory file system reads the

@@ -219,8 +219,12 @@ def _snapshot(folder: Path) -> dict[str, tuple]:
 
 
 def _publication_rank(rel: str) -> int:
-    """Upload order: shards, then tables, then the ``.json`` files that complete them."""
-    return 0 if rel.endswith(".npy") else 2 if rel.endswith(".json") else 1
+    """Upload order: shards and chunks, then tables and a Zarr shard's own ``zarr.json``, then the
+    documents that make something complete (an embedding's ``meta.json``, a view's sidecar,
+    ``cache.json``), so a reader never finds one naming a file not yet there."""
+    if rel.endswith("meta.json") or rel == "cache.json" or (rel.startswith("views/") and rel.endswith(".json")):
+        return 2
+    return 0 if rel.endswith(".npy") or "/c/" in rel else 1
 
 
 @contextmanager
@@ -271,18 +275,18 @@ def remote_session(root):
 
 
 def _orphan_shards(fs, base: str, stage: Path, changed: list[str]) -> list[str]:
-    """Shards left in the store by an embedding folder whose ``meta.json`` was rewritten and that
-    the new folder no longer holds (a re-import with fewer shards)."""
+    """Objects left in the store by an embedding folder whose ``meta.json`` was rewritten and that
+    the new folder no longer holds (a re-import with fewer shards, or in another format): the
+    staging copy holds such a folder whole, so what the store has beyond it is not referenced."""
     out = []
     for rel in changed:
         if not rel.endswith("/meta.json"):
             continue
         folder = rel[: -len("/meta.json")]
-        local = {p.name for p in (stage / folder).glob("*.npy")}
+        local = {p.relative_to(stage).as_posix() for p in (stage / folder).rglob("*") if p.is_file()}
         try:
-            remote = fs.ls(f"{base}/{folder}", detail=False)
+            remote = fs.find(f"{base}/{folder}")
         except FileNotFoundError:
             continue
-        out += [f"{folder}/{name.rsplit('/', 1)[-1]}" for name in remote
-                if name.endswith(".npy") and name.rsplit("/", 1)[-1] not in local]
+        out += [r for r in (name[len(base):].lstrip("/") for name in remote) if r not in local]
     return out
