@@ -235,8 +235,9 @@ def remote_session(root):
     yielded folder is a temporary staging copy of its small files (:data:`STAGED_SUFFIXES`; the
     shards stay in the store); when the block returns, ``.json`` objects that were removed or
     changed are deleted first (an embedding or a view stops being complete), then new and changed
-    files are uploaded (shards, tables, then ``.json``), then objects whose files were removed are
-    deleted. When the block raises, nothing is uploaded (the exception's message names the URL,
+    files are uploaded (:func:`_publication_rank`: shards and chunks, tables, then ``meta.json``,
+    sidecars and ``cache.json``), then objects whose files were removed, and what a rewritten
+    embedding folder no longer holds, are deleted. When the block raises, nothing is uploaded (the exception's message names the URL,
     not the staging folder). The staging folder is removed either way.
     """
     root = cache_root(root)

@@ -258,15 +258,16 @@ class LinkedShard(_RowsBase):
             raise ShardError(f"{label}: linked slide file {path} changed since it was linked (size {size} -> "
                              f"{st.st_size} bytes, mtime {int(mtime_ns)} -> {st.st_mtime_ns} ns); it is not read: "
                              "re-import it with --link (or --overwrite) to score its new content")
-        if self.dataset is None:
-            self._mm = np.load(path, mmap_mode="r", allow_pickle=False)
-            self.shape, dtype = tuple(self._mm.shape), self._mm.dtype
-        else:
-            import h5py  # deferred: only linked .h5 slides need it
+        with shard_reads(label, path, broken=(OSError, ValueError, KeyError, EOFError)):
+            if self.dataset is None:
+                self._mm = np.load(path, mmap_mode="r", allow_pickle=False)
+                self.shape, dtype = tuple(self._mm.shape), self._mm.dtype
+            else:
+                import h5py  # deferred: only linked .h5 slides need it
 
-            self._fh = h5py.File(path, "r")
-            self._ds = self._fh[self.dataset]
-            self.shape, dtype = tuple(self._ds.shape), self._ds.dtype
+                self._fh = h5py.File(path, "r")
+                self._ds = self._fh[self.dataset]
+                self.shape, dtype = tuple(self._ds.shape), self._ds.dtype
         self.dtype = np.dtype(dtype).newbyteorder("=")
         self.ndim = len(self.shape)
 
