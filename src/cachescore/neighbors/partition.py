@@ -144,21 +144,25 @@ class ProbeGeometry:
     (nearest first, ties by code; empty clusters included, they hold no rows), so the rows a rule
     probes and the rule that finds a calibration neighbour are array lookups.
 
-    ``dist`` (C, C) from :func:`probe_distances`. Memory: three (C, C) arrays, plus one per pool
-    while one is evaluated.
+    ``dist`` (C, C) from :func:`probe_distances`. Memory: ``dist`` (float64) and two int32
+    (C, C) index arrays, plus a (C, C) cumulative row count per pool (int32 while a pool holds
+    fewer than 2**31 rows) while a calibration runs: C = n / 2048 grows with n, so these grow as
+    n² (7.6 MB per float64 array at 2M rows); integers are kept at 4 bytes for that reason.
     """
 
     def __init__(self, dist: np.ndarray):
         self.dist = dist
-        self.order = np.argsort(dist, axis=1, kind="stable")
-        self.sorted = np.take_along_axis(dist, self.order, axis=1)
         c = dist.shape[0]
+        self.order = np.argsort(dist, axis=1, kind="stable").astype(np.int32)  # C < 2**31
         self.pos = np.empty_like(self.order)
-        self.pos[np.arange(c)[:, None], self.order] = np.arange(c)[None, :]
+        self.pos[np.arange(c)[:, None], self.order] = np.arange(c, dtype=np.int32)[None, :]
 
     def cum_rows(self, pool_sizes) -> np.ndarray:
-        """(C, C) int64: rows of the pool in the first ``j + 1`` clusters of each probe order."""
-        return np.cumsum(np.asarray(pool_sizes, dtype=np.int64)[self.order], axis=1)
+        """(C, C): rows of the pool in the first ``j + 1`` clusters of each probe order (int32
+        when the pool's rows fit, else int64; the same values either way)."""
+        sizes = np.asarray(pool_sizes, dtype=np.int64)
+        dtype = np.int32 if int(sizes.sum()) < np.iinfo(np.int32).max else np.int64
+        return np.cumsum(sizes[self.order], axis=1, dtype=dtype)
 
     def rows_before(self, cum: np.ndarray, pool_sizes, qa, nb) -> np.ndarray:
         """Pool rows in the clusters probed before cluster ``nb`` from query cluster ``qa``
@@ -168,7 +172,8 @@ class ProbeGeometry:
     def probed_rows(self, cum: np.ndarray, rule: ProbeRule) -> np.ndarray:
         """(C,) int64: pool rows each query cluster probes under ``rule``."""
         c = cum.shape[1]
-        n_r = np.count_nonzero(self.sorted <= rule.radius, axis=1)  # >= 1: the own cluster
+        n_r = np.count_nonzero(self.dist <= rule.radius, axis=1)  # >= 1: the own cluster (a row's count
+        # over its probe order is its count over the row: the same values, permuted)
         n_f = np.minimum(np.count_nonzero(cum < rule.min_rows, axis=1) + 1, c)
         return cum[np.arange(cum.shape[0]), np.maximum(n_r, n_f) - 1]
 
