@@ -6,6 +6,7 @@ read and scored to the same values."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -142,9 +143,13 @@ def test_a_touched_or_missing_slide_file_is_refused_before_it_is_read(tmp_path, 
     os.environ.setdefault("CACHESCORE_CODE_VERSION", "test-pinned")
     assert main(["run", str(job), "--quiet"]) == 1
     assert "succeeded 1, failed 1" in capsys.readouterr().out
-    main(["status", str(job)])
-    out = capsys.readouterr().out
-    assert re.search(r"linked .*failed .*S05\.h5 changed since it was", out), out
+    main(["status", str(job), "--json"])
+    units = {u["encoder"]: u for u in json.loads(capsys.readouterr().out)["units"]}
+    assert units["copied"]["state"] == "done" and units["linked"]["state"] == "failed"
+    from cachescore.store import ResultsStore
+
+    (error,) = ResultsStore(tmp_path / "store").failures()["error"].tolist()  # the whole message (status cuts it)
+    assert f"{tmp_path / 'feats' / 'S05.h5'} changed since it was linked" in error, error
 
     (tmp_path / "feats" / "S05.h5").unlink()
     with pytest.raises(ShardNotFoundError, match=r"linked slide file missing: .*S05\.h5"):
