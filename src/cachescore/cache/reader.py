@@ -48,7 +48,6 @@ from .layout import (
     view_table_path,
 )
 from .location import (
-    access_error,
     cache_root,
     check_cache_root,
     is_file,
@@ -58,7 +57,7 @@ from .location import (
     signature,
     tree_signature,
 )
-from .shards import RemoteShard, gather_rows, link_reference, open_shard, read_shard_rows, shard_digest
+from .shards import gather_rows, link_reference, open_shard, read_shard_rows, shard_contents
 from .writer import (
     VIEW_REQUIRED,
     _rows,
@@ -205,15 +204,7 @@ class Cache:
         and ``image_path`` present, ``sample_id`` non-blank and unique."""
         check_name("tileset", tileset)
         path = tiles_path(self.root, tileset)
-        if not path.is_file():
-            raise CacheNotFoundError(f"tileset {tileset!r} not found: {path}")
-        try:
-            with open_binary(path) as fh:
-                frame = pq.read_table(fh, columns=columns).to_pandas()
-        except PermissionError as exc:
-            raise access_error(str(path), exc) from None
-        except (pa.ArrowException, OSError) as exc:
-            raise LayoutError(f"{path}: cannot read: {exc}") from exc
+        frame = self._read_tiles(tileset, lambda fh: pq.read_table(fh, columns=columns).to_pandas())
         need = [c for c in ("sample_id", "image_path") if columns is None or c in columns]
         missing = [c for c in need if c not in frame.columns]
         if missing:
@@ -227,16 +218,19 @@ class Cache:
         return frame
 
     def _tileset_rows(self, tileset: str) -> int:
+        return self._read_tiles(tileset, lambda fh: int(pq.read_metadata(fh).num_rows), "cannot read Parquet metadata")
+
+    def _read_tiles(self, tileset: str, read, what: str = "cannot read"):
+        """``read(file)`` of ``tiles.parquet`` of ``tileset``, its errors as the cache's: a missing
+        file :class:`CacheNotFoundError`, a refused request :class:`CacheAccessError`, an
+        unreadable one :class:`LayoutError`, each naming the file."""
         path = tiles_path(self.root, tileset)
-        if not path.is_file():
+        if not is_file(path):
             raise CacheNotFoundError(f"tileset {tileset!r} not found: {path}")
-        try:
+        with read_errors(str(path), missing=lambda: CacheNotFoundError(f"tileset {tileset!r} not found: {path}"),
+                         broken=lambda exc: LayoutError(f"{path}: {what}: {exc}"), catch=(pa.ArrowException, OSError)):
             with open_binary(path) as fh:
-                return int(pq.read_metadata(fh).num_rows)
-        except PermissionError as exc:
-            raise access_error(str(path), exc) from None
-        except (pa.ArrowException, OSError) as exc:
-            raise LayoutError(f"{path}: cannot read Parquet metadata: {exc}") from exc
+                return read(fh)
 
     def view_spec(self, view: str) -> ViewSpec:
         """The view's sidecar (tileset, confounder column, design hint)."""
@@ -620,13 +614,9 @@ class Cache:
             raise AlignmentError(f"{label}: {tiles_path(self.root, tileset)} sample_id order differs from the one "
                                  "these embeddings were written for; rows are no longer aligned (re-import them)")
         for shard, path in zip(meta.shards, self._paths(meta)):
-            mm = open_shard(path, shard.rows, meta.dim, meta.dtype, label)
-            if isinstance(mm, RemoteShard) and (checksums or finite):  # one read of the object serves both checks
-                mm, digest = mm.read_with_digest()
-                if checksums and digest != shard.sha256:
-                    raise ShardError(f"{label}: shard {path} (rows {shard.start}:{shard.stop}) does not match its "
-                                     "sha256 in meta.json")
-            elif checksums and shard_digest(path) != shard.sha256:
+            mm, digest = shard_contents(open_shard(path, shard.rows, meta.dim, meta.dtype, label), path,
+                                        checksums=checksums, finite=finite)
+            if checksums and digest != shard.sha256:
                 raise ShardError(f"{label}: shard {path} (rows {shard.start}:{shard.stop}) does not match its sha256 in meta.json")
             if finite and shard.rows:
                 bad = nonfinite_rows(mm)

@@ -19,7 +19,7 @@ from .._hashing import sha256_file
 from .errors import ShardError, ShardNotFoundError
 from .location import access_error, is_remote, read_errors
 
-__all__ = ["open_shard", "read_shard_rows", "gather_rows", "shard_digest", "RemoteShard", "ZarrShard", "LinkedShard",
+__all__ = ["open_shard", "read_shard_rows", "gather_rows", "shard_digest", "shard_contents", "RemoteShard", "ZarrShard", "LinkedShard",
            "link_reference", "quick_hash", "zarr_digest"]
 
 #: Bytes of a remote shard read first: the ``.npy`` header (64-byte aligned, usually 128 bytes).
@@ -338,6 +338,17 @@ def shard_digest(path: str) -> str:
     if text.rstrip("/").endswith(".zarr"):
         return zarr_digest(path)
     return sha256_file(path)
+
+
+def shard_contents(shard, path: str, *, checksums: bool, finite: bool):
+    """``(rows, digest)`` of an opened shard for a validation: ``rows`` to scan for non-finite
+    values (the shard itself, or its rows already read), ``digest`` its checksum
+    (:func:`shard_digest`) when ``checksums``, else None. A remote ``.npy`` object is read once
+    for both checks (:meth:`RemoteShard.read_with_digest`)."""
+    if isinstance(shard, RemoteShard) and (checksums or finite):
+        rows, digest = shard.read_with_digest()
+        return rows, digest if checksums else None
+    return shard, shard_digest(path) if checksums else None
 
 
 def open_shard(path: str, n_rows: int, dim: int, dtype: np.dtype, label: str):

@@ -30,7 +30,7 @@ from .layout import (
     view_table_path,
 )
 from .reader import Cache
-from .shards import RemoteShard, open_shard, shard_digest
+from .shards import open_shard, shard_contents
 from .writer import _rows, sample_ids_digest
 
 __all__ = ["Problem", "PROBLEM_KINDS", "verify_cache"]
@@ -156,14 +156,12 @@ def _check_embeddings(cache, encoder: str, tileset: str, tileset_ids: dict, prob
         except CacheError as exc:
             problems.append(Problem(kind="shard_corrupt", message=str(exc), **at))
             continue
-        digest = None
-        if isinstance(mm, RemoteShard) and (checksums or finite):  # one read of the object serves both checks
-            try:
-                mm, digest = mm.read_with_digest()
-            except CacheError as exc:
-                problems.append(Problem(kind="shard_corrupt", message=str(exc), **at))
-                continue
-        if checksums and (digest or shard_digest(ref)) != shard.sha256:
+        try:
+            mm, digest = shard_contents(mm, ref, checksums=checksums, finite=finite)
+        except CacheError as exc:
+            problems.append(Problem(kind="shard_corrupt", message=str(exc), **at))
+            continue
+        if checksums and digest != shard.sha256:
             problems.append(Problem(kind="checksum", **at,
                                     message=f"{label}: shard {path} (rows {shard.start}:{shard.stop}) does not match "
                                             "its sha256 in meta.json"))

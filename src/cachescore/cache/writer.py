@@ -310,32 +310,32 @@ def stage_embeddings_blocks(
             if sum(s["rows"] for s in shards) != int(n_rows):
                 raise AlignmentError(f"{source}: the linked files hold {sum(s['rows'] for s in shards)} rows, the "
                                      f"tileset {n_rows}")
-        elif storage.format == "zarr":
-            fmt, stored, shards = ZARR_FORMAT, storage.stored_dtype(dtype), []
-
-            def read_rows(lo: int, hi: int) -> np.ndarray:
-                block = _checked_block(read_block, lo, hi, dim, dtype, check_finite=check_finite, source=source,
-                                       describe_rows=describe_rows)
-                if block.dtype != stored:  # an explicit storage dtype: what does not fit is refused
-                    with np.errstate(over="ignore"):  # what overflows is refused just below
-                        block = block.astype(stored)
-                    _check_finite_block(block, lo, f"{source} (stored as {stored})", describe_rows)
-                return block
-
-            for index, start in enumerate(range(0, int(n_rows), int(shard_rows)) if n_rows else [0]):
-                stop = min(int(n_rows), start + int(shard_rows))
-                name = f"shard-{index:05d}.zarr"
-                shards.append({"file": name, "rows": stop - start,
-                               "sha256": write_zarr_shard(staging / name, start, stop, dim, storage, dtype, read_rows)})
         else:
+            if storage.format == "zarr":
+                fmt, stored, suffix = ZARR_FORMAT, storage.stored_dtype(dtype), "zarr"
+
+                def read_rows(lo: int, hi: int) -> np.ndarray:
+                    block = _checked_block(read_block, lo, hi, dim, dtype, check_finite=check_finite, source=source,
+                                           describe_rows=describe_rows)
+                    if block.dtype != stored:  # an explicit storage dtype: what does not fit is refused
+                        with np.errstate(over="ignore"):  # what overflows is refused just below
+                            block = block.astype(stored)
+                        _check_finite_block(block, lo, f"{source} (stored as {stored})", describe_rows)
+                    return block
+
+                def write(path: Path, start: int, stop: int) -> str:
+                    return write_zarr_shard(path, start, stop, dim, storage, dtype, read_rows)
+            else:
+                suffix = "npy"
+
+                def write(path: Path, start: int, stop: int) -> str:
+                    return _write_shard(path, start, stop, dim, dtype, read_block, check_finite=check_finite,
+                                        source=source, describe_rows=describe_rows)
             shards = []
             for index, start in enumerate(range(0, int(n_rows), int(shard_rows)) if n_rows else [0]):
                 stop = min(int(n_rows), start + int(shard_rows))
-                name = f"shard-{index:05d}.npy"
-                shards.append({"file": name, "rows": stop - start,
-                               "sha256": _write_shard(staging / name, start, stop, dim, dtype, read_block,
-                                                      check_finite=check_finite, source=source,
-                                                      describe_rows=describe_rows)})
+                name = f"shard-{index:05d}.{suffix}"
+                shards.append({"file": name, "rows": stop - start, "sha256": write(staging / name, start, stop)})
         meta = {
             "format": fmt,
             "version": META_VERSION,
