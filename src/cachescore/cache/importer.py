@@ -29,11 +29,13 @@ from typing import Mapping
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..manifest import coerce_manifest
 from .._atomic import atomic_replace_dir
 from .errors import AlignmentError, CacheError, CacheNotFoundError, LayoutError
+from . import text
 from .formats import StorageOptions
 from .layout import FLOAT_DTYPES, check_name, embeddings_dir, tiles_path, view_sidecar_path, writable_root
 from .reader import Cache
@@ -42,6 +44,7 @@ from .writer import (
     _rows,
     blank_rows,
     normalize_ids,
+    normalized_text,
     parquet_table,
     stage_embeddings_blocks,
     store_tileset_frame,
@@ -344,20 +347,41 @@ def tiles_from_slides(frame: pd.DataFrame, *, slide_column: str, encoders: Mappi
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     tile_index = np.arange(int(counts.sum()), dtype=np.int64) - starts[codes]
     tiles = frame.iloc[codes].reset_index(drop=True)
-    slide_ids = pd.Series(np.asarray(slides, dtype=object)[codes])
+    slide_ids = pa.array(slides, type=pa.large_string()).take(codes)
     tiles["tile_index"] = tile_index
     if all(c is not None for c in coords):
         xy = np.concatenate(coords)
         tiles["x"], tiles["y"] = xy[:, 0], xy[:, 1]
-        sample_id = slide_ids + ":" + pd.Series(xy[:, 0]).astype(str) + "_" + pd.Series(xy[:, 1]).astype(str)
+        sample_id = _joined(slide_ids, ":", xy[:, 0], "_", xy[:, 1])
     else:
-        sample_id = slide_ids + ":" + pd.Series(tile_index).astype(str)
+        sample_id = _joined(slide_ids, ":", tile_index)
     # the slide's image file when the table names it, else the slide id: never an encoder's feature file,
     # so the manifest (and its checksum) is the same whichever encoders are imported with it
-    base = tiles["image_path"].astype(str) if "image_path" in frame.columns else slide_ids
-    tiles["image_path"] = base + "#" + pd.Series(tile_index).astype(str)
-    tiles.insert(0, "sample_id", sample_id.to_numpy(dtype=object))
+    base = _text_of(tiles["image_path"]) if "image_path" in frame.columns else slide_ids
+    tiles["image_path"] = text.as_series(_joined(base, "#", tile_index))
+    tiles.insert(0, "sample_id", text.as_series(sample_id))
     return tiles
+
+
+def _text_of(series: pd.Series) -> pa.Array:
+    """``series.astype(str)`` as an Arrow ``large_string`` array (Arrow text is taken as it is)."""
+    arr = text.arrow_text(series)
+    return arr if arr is not None else pa.array(series.astype(str).to_numpy(dtype=object), type=pa.large_string())
+
+
+def _joined(*parts) -> pa.Array:
+    """Element-wise concatenation of Arrow text arrays, numpy arrays (as ``str`` writes them) and
+    literal strings, as one ``large_string`` array: what ``a + ":" + b.astype(str)`` gives, with no
+    Python string made for integers."""
+    def as_text(part):
+        if isinstance(part, str):
+            return pa.scalar(part, pa.large_string())
+        if isinstance(part, np.ndarray) and np.issubdtype(part.dtype, np.integer):
+            return pa.array(part).cast(pa.large_string())  # the same decimal digits as str(int)
+        if isinstance(part, np.ndarray):  # e.g. non-integral coords: Python's float formatting
+            return pa.array(pd.Series(part).astype(str).to_numpy(dtype=object), type=pa.large_string())
+        return part
+    return pc.binary_join_element_wise(*(as_text(p) for p in parts), pa.scalar("", pa.large_string()))
 
 
 def _same_table(path: Path, table: pa.Table) -> str | None:
@@ -538,15 +562,14 @@ def _check_targets(root: Path, tileset: str, out: pd.DataFrame, tiles_file: Path
 def _row_describer(frame: pd.DataFrame, slide_column: str, tile_index_column: str | None):
     """``rows -> "slide 'S07' tile 12, ..."`` (or ``sample_id 't3'`` without slide columns): what a
     NaN message says of the tile-manifest rows it names."""
-    slides = frame[slide_column].astype(str).to_numpy() if slide_column in frame.columns else None
-    tiles = (frame[tile_index_column].to_numpy() if tile_index_column and tile_index_column in frame.columns
-             else None)
-    ids = frame["sample_id"].astype(str).to_numpy()
+    by_slide = slide_column in frame.columns and bool(tile_index_column) and tile_index_column in frame.columns
 
-    def describe(rows) -> str:
-        if slides is not None and tiles is not None:
-            return ", ".join(f"slide {slides[r]!r} tile {tiles[r]}" for r in rows)
-        return ", ".join(f"sample_id {ids[r]!r}" for r in rows)
+    def describe(rows) -> str:  # reads only the named rows: a manifest of millions is not turned into strings
+        rows = [int(r) for r in rows]
+        if by_slide:
+            slides, tiles = frame[slide_column].iloc[rows], frame[tile_index_column].iloc[rows]
+            return ", ".join(f"slide {str(s)!r} tile {t}" for s, t in zip(slides, tiles))
+        return ", ".join(f"sample_id {str(v)!r}" for v in frame["sample_id"].iloc[rows])
 
     return describe
 
@@ -641,8 +664,8 @@ def _read_plans(frame: pd.DataFrame, source: str, encoders: Mapping[str, object]
         return plans
     if slide_column not in frame.columns:
         raise CacheError(f"{source}: missing slide column {slide_column!r} (set slide_column=...)")
-    slide_of = normalize_ids(frame[slide_column], source=source, column=slide_column)
-    codes, slides = pd.factorize(pd.Series(slide_of))
+    slide_of = normalized_text(frame[slide_column], source=source, column=slide_column)
+    codes, slides = pd.factorize(slide_of)
     slides = [str(s) for s in slides]
     if tile_index_column is None:
         tile_index = pd.Series(codes).groupby(codes).cumcount().to_numpy(dtype=np.int64)

@@ -27,6 +27,7 @@ from .._atomic import (
     atomic_write,
     atomic_write_json,
 )
+from . import text
 from .errors import (
     AlignmentError,
     CacheError,
@@ -60,6 +61,7 @@ __all__ = [
     "delete_view",
     "default_shard_rows",
     "normalize_ids",
+    "normalized_text",
     "sample_ids_digest",
 ]
 
@@ -76,28 +78,57 @@ def default_shard_rows(dim: int, itemsize: int, target_bytes: int = DEFAULT_SHAR
 
 def normalize_ids(values, *, source: str, column: str = "sample_id") -> np.ndarray:
     """``str(v).strip()`` of every value as an object array; missing or blank values raise ``ViewError``
-    naming ``source``, ``column`` and the first offending row positions. Vectorised (pandas string ops)."""
-    series = pd.Series(values, copy=False).reset_index(drop=True)
-    missing = series.isna().to_numpy()
-    out = _strip_strings(series)
-    bad = np.flatnonzero(missing | (out == ""))
+    naming ``source``, ``column`` and the first offending row positions (see :func:`normalized_text`)."""
+    return normalized_text(values, source=source, column=column).to_numpy(dtype=object)
+
+
+def normalized_text(values, *, source: str, column: str = "sample_id") -> pd.Series:
+    """``str(v).strip()`` of every value as a Series (index 0..n-1): Arrow-backed text when
+    ``values`` is Arrow text without missing values (no Python string is made), else Python
+    objects. Missing or blank values raise ``ViewError`` naming ``source``, ``column`` and rows."""
+    arr = text.arrow_text(values)
+    if arr is not None:
+        arr = text.strip(arr)
+        bad = text.blank_positions(arr)
+        out = None if bad.size else text.as_series(arr)
+    else:
+        series = pd.Series(values, copy=False).reset_index(drop=True)
+        stripped = _strip_strings(series)
+        bad = np.flatnonzero(series.isna().to_numpy() | (stripped == ""))
+        out = pd.Series(stripped, dtype=object)
     if bad.size:
         raise ViewError(f"{source}: column {column!r} has missing or blank values at rows {_rows(bad)}")
     return out
 
 
+def duplicate_rows(values) -> np.ndarray:
+    """Positions of every value that occurs more than once (empty when all are unique)."""
+    arr = text.arrow_text(values)
+    if arr is not None:
+        return text.duplicate_positions(arr)
+    return np.flatnonzero(pd.Series(values, copy=False).duplicated(keep=False).to_numpy())
+
+
 def _strip_strings(series: pd.Series) -> np.ndarray:
-    """``str(v).strip()`` for every value, as an object array (missing values become ``""``).
-    A text column without missing values (pandas' string dtype, what Parquet text reads as) is
-    stripped as it is: the round trip through Python objects gives the same strings, 3-4x slower."""
-    if isinstance(series.dtype, pd.StringDtype) and not series.isna().any():
-        return series.str.strip().to_numpy(dtype=object)
-    text = series.astype(object).where(series.notna(), "").astype(str)
-    return text.str.strip().to_numpy(dtype=object)
+    """``str(v).strip()`` for every value, as an object array (missing values become ``""``)."""
+    text_series = series.astype(object).where(series.notna(), "").astype(str)
+    return text_series.str.strip().to_numpy(dtype=object)
+
+
+def _stripped_text(series: pd.Series) -> pd.Series:
+    """``str(v).strip()`` of a column that must not be blank-checked (e.g. ``image_path``): Arrow
+    text stays Arrow, anything else becomes Python strings (missing values ``""``)."""
+    arr = text.arrow_text(series)
+    if arr is not None:
+        return text.as_series(text.strip(arr), name=series.name)
+    return pd.Series(_strip_strings(series), dtype=object, name=series.name)
 
 
 def blank_rows(series: pd.Series) -> np.ndarray:
     """Positions whose value is missing (None/NaN/NA) or a string that is blank after stripping."""
+    arr = text.arrow_text(series)
+    if arr is not None:
+        return text.blank_positions(text.strip(arr))
     series = series.reset_index(drop=True)
     missing = series.isna().to_numpy()
     if series.dtype == object or pd.api.types.is_string_dtype(series.dtype):
@@ -105,8 +136,18 @@ def blank_rows(series: pd.Series) -> np.ndarray:
     return np.flatnonzero(missing)
 
 
-def sample_ids_digest(ids: np.ndarray) -> str:
-    """sha256 of the JSON list of normalised sample IDs (pins row alignment of embeddings)."""
+def sample_ids_digest(ids) -> str:
+    """sha256 of the JSON list of normalised sample IDs (pins row alignment of embeddings). ``ids``:
+    an object array, a Series or an Arrow array of strings; Arrow text is hashed from its buffers."""
+    arr = text.arrow_text(ids)
+    if arr is None and isinstance(ids, np.ndarray) and ids.dtype == object:
+        try:
+            arr = pa.array(ids, type=pa.large_string())
+        except (pa.ArrowException, TypeError):
+            arr = None
+    digest = text.json_list_sha256(arr) if arr is not None and not arr.null_count else None
+    if digest is not None:
+        return digest
     return hashlib.sha256(json.dumps([str(v) for v in ids], separators=(",", ":")).encode("utf-8")).hexdigest()
 
 
@@ -189,27 +230,27 @@ def tileset_frame(tileset: str, frame: pd.DataFrame) -> pd.DataFrame:
         raise ViewError(f"{source}: missing required columns {missing}")
     if "row" in frame.columns:
         raise ViewError(f"{source}: column 'row' is reserved (cachescore adds it when reading views)")
-    ids = normalize_ids(frame["sample_id"], source=source)
-    dup = pd.Series(ids).duplicated(keep=False).to_numpy()
-    if dup.any():
-        where = np.flatnonzero(dup)
+    ids = normalized_text(frame["sample_id"], source=source)
+    where = duplicate_rows(ids)
+    if where.size:
         raise ViewError(f"{source}: column 'sample_id' must be unique; duplicates at rows {_rows(where)} "
-                        f"(e.g. {ids[where[0]]!r})")
+                        f"(e.g. {ids.iloc[where[0]]!r})")
     out = frame.reset_index(drop=True).copy()
     out["sample_id"] = ids
-    out["image_path"] = _strip_strings(out["image_path"])
+    out["image_path"] = _stripped_text(out["image_path"])
     return out
 
 
-def _tileset_ids(root: Path, tileset: str) -> np.ndarray:
+def _tileset_ids(root: Path, tileset: str) -> pd.Series:
+    """The stored ``sample_id`` column of ``tileset`` in row order (Parquet text as pandas reads it)."""
     path = tiles_path(root, tileset)
     if not path.is_file():
         raise CacheNotFoundError(f"tileset {tileset!r} not found: {path}; write it first with write_tileset")
     try:
-        col = pq.read_table(path, columns=["sample_id"]).column("sample_id").to_numpy(zero_copy_only=False)
+        col = pq.read_table(path, columns=["sample_id"]).column("sample_id")
     except (pa.ArrowException, OSError, KeyError) as exc:
         raise LayoutError(f"{path}: cannot read column 'sample_id': {exc}") from exc
-    return np.asarray(col, dtype=object)
+    return col.to_pandas()
 
 
 class _HashingWriter:
@@ -470,12 +511,13 @@ def write_view(root, view: str, frame: pd.DataFrame, *, tileset: str, confounder
     missing = [c for c in (*VIEW_REQUIRED, column) if c not in frame.columns and c not in tile_columns]
     if missing:
         raise ViewError(f"{source}: missing required columns {missing} (in neither the view nor {tiles})")
-    ids = normalize_ids(frame["sample_id"], source=source)
-    known = pd.Index(_tileset_ids(root, tileset))
-    unknown = np.flatnonzero(known.get_indexer(ids) < 0)
-    if unknown.size:
-        raise ViewError(f"{source}: sample_id values not in tileset {tileset!r} at rows {_rows(unknown)} "
-                        f"(e.g. {ids[unknown[0]]!r})")
+    ids = normalized_text(frame["sample_id"], source=source)
+    known = _tileset_ids(root, tileset)
+    if not _same_text(ids, known):  # a view of every tile in order (what an import writes) needs no lookup
+        unknown = np.flatnonzero(pd.Index(known).get_indexer(ids) < 0)
+        if unknown.size:
+            raise ViewError(f"{source}: sample_id values not in tileset {tileset!r} at rows {_rows(unknown)} "
+                            f"(e.g. {ids.iloc[unknown[0]]!r})")
     out = frame.reset_index(drop=True).copy()
     out["sample_id"] = ids
     if view_sidecar_path(root, view).exists() and not overwrite:
@@ -489,6 +531,13 @@ def write_view(root, view: str, frame: pd.DataFrame, *, tileset: str, confounder
     sidecar["table_bytes"] = size
     atomic_write_json(view_sidecar_path(root, view), sidecar, overwrite=True)
     return view_table_path(root, view)
+
+
+def _same_text(a: pd.Series, b: pd.Series) -> bool:
+    """Whether two text columns hold the same values in the same order (compared in Arrow when both
+    are Arrow text; False, not an error, otherwise)."""
+    x, y = text.arrow_text(a), text.arrow_text(b)
+    return x is not None and y is not None and x.equals(y)
 
 
 def delete_view(root, view: str) -> list[Path]:
