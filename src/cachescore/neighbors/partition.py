@@ -145,8 +145,8 @@ class ProbeGeometry:
     probes and the rule that finds a calibration neighbour are array lookups.
 
     ``dist`` (C, C) from :func:`probe_distances`. Memory: ``dist`` (float64) and two int32
-    (C, C) index arrays, plus a (C, C) cumulative row count per pool (int32 while a pool holds
-    fewer than 2**31 rows) while a calibration runs: C = n / 2048 grows with n, so these grow as
+    (C, C) index arrays, plus one pool's (C, C) cumulative row count at a time (int32 while a
+    pool holds fewer than 2**31 rows) while a calibration runs: C = n / 2048 grows with n, so these grow as
     n² (7.6 MB per float64 array at 2M rows); integers are kept at 4 bytes for that reason.
     """
 
@@ -162,7 +162,7 @@ class ProbeGeometry:
         when the pool's rows fit, else int64; the same values either way)."""
         sizes = np.asarray(pool_sizes, dtype=np.int64)
         dtype = np.int32 if int(sizes.sum()) < np.iinfo(np.int32).max else np.int64
-        return np.cumsum(sizes[self.order], axis=1, dtype=dtype)
+        return np.cumsum(sizes.astype(dtype)[self.order], axis=1, dtype=dtype)  # no int64 (C, C) gather
 
     def rows_before(self, cum: np.ndarray, pool_sizes, qa, nb) -> np.ndarray:
         """Pool rows in the clusters probed before cluster ``nb`` from query cluster ``qa``
@@ -190,12 +190,10 @@ def calibrate_probe(geometry: ProbeGeometry, pools, target: float, min_rows: int
     misses; the pair of least work ``sum_p sum_a query_weights[a] · probed_rows_p[a]`` wins.
     Every rule has ``min_rows >=`` the given floor.
     """
-    d_parts, rb_parts, cums = [], [], []
-    for _, sizes, qa, nb in pools:
-        cum = geometry.cum_rows(sizes)
-        cums.append(cum)
+    d_parts, rb_parts = [], []
+    for _, sizes, qa, nb in pools:  # one pool's (C, C) cumulative counts live at a time
         d_parts.append(geometry.dist[qa, nb])
-        rb_parts.append(geometry.rows_before(cum, sizes, qa, nb))
+        rb_parts.append(geometry.rows_before(geometry.cum_rows(sizes), sizes, qa, nb))
     d = np.concatenate(d_parts) if d_parts else np.zeros(0)
     rb = np.concatenate(rb_parts) if rb_parts else np.zeros(0, np.int64)
     need_total = int(np.ceil(min(1.0, float(target)) * d.size - 1e-9))
@@ -204,20 +202,20 @@ def calibrate_probe(geometry: ProbeGeometry, pools, target: float, min_rows: int
     while f < 2 * biggest:
         floors.append(int(round(f)))
         f *= 2 ** 0.5
-    best, best_work = None, None
+    rules = []
     for floor in sorted(set(floors)):
         by_floor = rb < floor
         need = need_total - int(np.count_nonzero(by_floor))
-        if need <= 0:
-            radius = -np.inf
-        else:
-            rest = np.sort(d[~by_floor])
-            radius = float(rest[need - 1])
-        rule = ProbeRule(radius, floor)
-        work = sum(float(np.dot(np.asarray(w, dtype=np.float64), geometry.probed_rows(cum, rule)))
-                   for (w, _, _, _), cum in zip(pools, cums))
-        if best_work is None or work < best_work:
-            best, best_work = rule, work
+        rules.append(ProbeRule(-np.inf if need <= 0 else float(np.sort(d[~by_floor])[need - 1]), floor))
+    work = [0] * len(rules)  # summed pool by pool, in pool order, for every rule
+    for w, sizes, _, _ in pools:
+        cum = geometry.cum_rows(sizes)
+        weights = np.asarray(w, dtype=np.float64)
+        work = [total + float(np.dot(weights, geometry.probed_rows(cum, rule))) for total, rule in zip(work, rules)]
+    best, best_work = None, None
+    for rule, total in zip(rules, work):
+        if best_work is None or total < best_work:
+            best, best_work = rule, total
     return best
 
 
