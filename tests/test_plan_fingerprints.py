@@ -139,7 +139,7 @@ def test_planning_reads_code_columns_and_finds_what_the_frame_finds(tmp_path, mo
         m.setattr(Cache, "read_view", no_frame)
         lean = facts(True)
     with monkeypatch.context() as m:
-        m.setattr(plan_mod, "_code_frame", lambda *a: None)  # the frame path, as before
+        m.setattr(plan_mod, "_lean_scopes", lambda *a: None)  # the frame path, as before
         full = facts(False)
     assert lean == full
     assert lean["paired"].scope_error and "c_only" in lean["paired"].scope_error

@@ -90,7 +90,7 @@ def _keep_view_frame(key: tuple, frame: pd.DataFrame) -> None:
 #: Attempts, and the pause before each retry (seconds, times the attempt number), to read a view's
 #: table and sidecar as a matching pair while ``write_view(overwrite=True)`` swaps them.
 VIEW_READ_ATTEMPTS = 6
-#: Rows decoded at a time by :meth:`Cache.view_codes` (its memory is its codes plus one batch).
+#: Rows decoded at a time by :meth:`Cache.view_combinations` (its memory is one batch plus the combinations).
 VIEW_CODE_BATCH = 1 << 16
 VIEW_RETRY_PAUSE = 0.05
 
@@ -317,55 +317,61 @@ class Cache:
             raise LayoutError(f"{view_table_path(self.root, view)}: cannot read: {exc}") from exc
         return table.to_pandas()
 
-    def view_codes(self, view: str, columns, *, strip=()) -> dict | None:
-        """Integer codes of ``columns`` of ``view``'s own table, without building its frame:
-        ``{column: (codes (n,) int8 / int16 / int32, names)}`` where equal codes mean equal values
-        (``str(value)``, stripped for the columns in ``strip``) and ``names[code]`` is the value.
-        O(n) small integers and the distinct values only, for planning checks on views of
-        millions of rows. None when the table lacks a column, holds nulls in one, or a column is
-        neither text nor integer (the caller then reads the view, :meth:`read_view`). Raises as
-        :meth:`read_view` for a view that cannot be read."""
+    def view_combinations(self, view: str, columns, *, strip=()):
+        """The distinct combinations of ``columns``' values over ``view``'s own table, how often
+        each occurs and where it first occurs, without building its frame: ``(names, (codes,
+        rows, first))`` where ``names[j]`` lists column ``j``'s distinct values sorted
+        (``str(value)``, stripped for the columns in ``strip``), ``codes`` (K, m) int64 indexes
+        them, ``rows`` (K,) int64 counts each combination and ``first`` (K,) int64 is its first
+        row in view order (:mod:`cachescore._combinations`). Read in :data:`VIEW_CODE_BATCH`-row
+        batches, text decoded straight into dictionaries: memory is one batch plus the
+        combinations, not the rows, for planning views of millions of rows. None when the table
+        lacks a column, holds nulls in one, or a column is neither text nor integer (the caller
+        then reads the view, :meth:`read_view`). Raises as :meth:`read_view` for a view that
+        cannot be read."""
+        from .. import _combinations
+
+        columns = list(columns)
         spec, data = self._view_pair(view)
         try:
-            table = pq.ParquetFile(pa.BufferReader(data))
+            schema = pq.ParquetFile(pa.BufferReader(data)).schema_arrow
         except (pa.ArrowException, OSError):
             return None
-        schema = table.schema_arrow
-        out = {}
-        for name in columns:  # a column at a time, in batches, text decoded straight into dictionaries
+        text = {}
+        for name in columns:
             if name not in schema.names:
                 return None
             kind = schema.field(name).type
-            text = pa.types.is_string(kind) or pa.types.is_large_string(kind)
-            if not (text or pa.types.is_integer(kind)):
+            text[name] = pa.types.is_string(kind) or pa.types.is_large_string(kind)
+            if not (text[name] or pa.types.is_integer(kind)):
                 return None
-            codes = np.empty(table.metadata.num_rows, dtype=np.int32)
-            seen: dict[str, int] = {}
-            at = 0
-            try:
-                reader = pq.ParquetFile(pa.BufferReader(data), read_dictionary=[name] if text else None)
-                for batch in reader.iter_batches(batch_size=VIEW_CODE_BATCH, columns=[name], use_threads=False):
-                    arr = batch.column(0)
+        seen: list[dict[str, int]] = [{} for _ in columns]
+        parts, at = [], 0
+        try:
+            reader = pq.ParquetFile(pa.BufferReader(data), read_dictionary=[c for c in columns if text[c]])
+            for batch in reader.iter_batches(batch_size=VIEW_CODE_BATCH, columns=columns, use_threads=False):
+                local_codes = []
+                for j, name in enumerate(columns):
+                    arr = batch.column(j)
                     if arr.null_count:
                         return None
-                    if not text:
+                    if not text[name]:
                         arr = pc.dictionary_encode(pc.cast(arr, pa.string()))
                     values = arr.dictionary.to_pylist()
-                    local = np.fromiter((seen.setdefault(v.strip() if name in strip else v, len(seen)) for v in values),
-                                        dtype=np.int32, count=len(values))
-                    idx = arr.indices.to_numpy(zero_copy_only=False)
-                    codes[at : at + idx.size] = local[idx]
-                    at += idx.size
-            except (pa.ArrowException, OSError):
-                return None
-            names = np.asarray(list(seen), dtype=object).astype(str)
-            order = np.argsort(names, kind="stable")
-            rank = np.empty(order.size, dtype=np.int32)
-            rank[order] = np.arange(order.size, dtype=np.int32)
-            np.take(rank, codes, out=codes)  # in place: sorted-value codes
-            small = np.int8 if order.size <= 127 else np.int16 if order.size <= 32767 else np.int32
-            out[name] = (codes.astype(small, copy=False), [str(v) for v in names[order]])
-        return out
+                    local = np.fromiter((seen[j].setdefault(v.strip() if name in strip else v, len(seen[j]))
+                                         for v in values), dtype=np.int64, count=len(values))
+                    local_codes.append(local[arr.indices.to_numpy(zero_copy_only=False)])
+                parts.append(_combinations.count(np.stack(local_codes, axis=1), offset=at))
+                at += batch.num_rows
+        except (pa.ArrowException, OSError):
+            return None
+        codes, rows, first = _combinations.merge(parts, len(columns))
+        names = []
+        for j in range(len(columns)):
+            sorted_names, rank = _combinations.by_sorted_names(seen[j])
+            names.append(sorted_names)
+            codes[:, j] = rank[codes[:, j]] if len(codes) else codes[:, j]
+        return names, (codes, rows, first)
 
     def _parse_view(self, view: str, spec, data: bytes) -> pd.DataFrame:
         """:meth:`read_view`'s frame from the view's checked table bytes (validated, joined with the tileset)."""

@@ -40,7 +40,10 @@ the driving process over the engine's memory-mapped tables, holding its view the
 ``f0``, ``m``, anything else JSON-safe) and its extra per-unit columns (name -> ``(U,)`` array, in
 order). ``replicates(per_unit, member, counts, subsets)`` returns ``(replicate values or None,
 ci_method text)`` from the stored per-unit table and the view's shared cluster draw
-(:func:`.bootstrap.cluster_counts`).
+(:func:`.bootstrap.cluster_counts`). ``scope_problem(scopes, confounder, params, view, design)``
+(optional) returns why a unit with ``params`` cannot be scored on the view, or None, from its
+scopes as combination counts (``[(scope name, .scope_counts.ScopeCounts)]``: no rows, so a view
+of any size is checked at planning in the same memory).
 """
 
 from __future__ import annotations
@@ -147,7 +150,7 @@ def _ratio_replicates(per_unit: pd.DataFrame, member, counts, subsets):
 def _k_problem(name: str):
     def problem(scopes, confounder: str, params: Mapping, view: str, design: str) -> str | None:
         ks = sorted(int(k) for k in params.get("k_candidates", []))
-        sizes = {scope: len(part) for scope, part in scopes}
+        sizes = {scope: part.n_rows for scope, part in scopes}
         if ks and all(ks[0] >= n for n in sizes.values()):
             where = "its rows" if design != "paired_2x2" else f"its largest subset ({max(sizes, key=sizes.get)!r})"
             return (f"view {view!r} ({design}): every k in k_candidates {ks} is >= the {max(sizes.values())} rows of "
@@ -223,72 +226,40 @@ def _croma_replicates(per_unit: pd.DataFrame, member, counts, subsets):
                   else "cluster bootstrap (group_id) of the pooled median")
 
 
-def _value_codes(column: pd.Series, *, strip: bool) -> np.ndarray:
-    """Dense codes (equal iff the values are equal as text, stripped when ``strip``) of a column; a
-    categorical (planning's lean view columns, already normalised) gives its own codes (its
-    categories are distinct; a small integer type), no text."""
-    if isinstance(column.dtype, pd.CategoricalDtype):
-        return column.cat.codes.to_numpy()
-    text = column.astype(str)
-    return pd.factorize((text.str.strip() if strip else text).to_numpy())[0].astype(np.int64)
-
-
-def _typed_counts(part: pd.DataFrame, confounder: str):
+def _typed_counts(part) -> tuple[np.ndarray, np.ndarray]:
     """How many SO rows (same label, other confounder value) and OS rows (other label, same
-    confounder) each row of ``part`` has outside its own ``group_id`` (spec §1: the candidates
-    CRoMa draws its m nearest SO and OS neighbours from). Both depend on the row's (group,
-    label, confounder) only, so they are counted per such combination: returns ``(so, os,
-    combination of each row)``, ``so[combo[i]]`` being row ``i``'s count (int64 arrays; O(rows)
-    integers, no text, no frame)."""
-    y = _value_codes(part["label"], strip=True)
-    c = _value_codes(part[confounder], strip=True)
-    g = _value_codes(part["group_id"], strip=False) if "group_id" in part.columns else np.arange(len(part))
+    confounder) a row of each combination of ``part`` (a :class:`.scope_counts.ScopeCounts`) has
+    outside its own ``group_id`` (spec §1: the candidates CRoMa draws its m nearest SO and OS
+    neighbours from). Both depend on the row's (group, label, confounder) only: ``(so, os)``,
+    (K,) int64 each, one per combination."""
+    y, c, g = (pd.factorize(v)[0].astype(np.int64) for v in (part.label, part.confounder, part.group))
+    rows = part.rows
     ny, nc = int(y.max()) + 1 if y.size else 1, int(c.max()) + 1 if c.size else 1
-    ng = int(g.max()) + 1 if g.size else 1
-    kt = np.int32 if ng * ny * nc < 2**31 else np.int64  # 4 bytes a row on any realistic view
-    key = g.astype(kt) * kt(ny * nc)
-    key += (y.astype(kt) * kt(nc))
-    key += c.astype(kt)
-    del y, c, g
-    if ng * ny * nc <= 4 * key.size + 1024:  # dense codes: count by bincount, no sort of the rows
-        rows = np.bincount(key, minlength=ng * ny * nc)
-        combos = np.flatnonzero(rows)
-        remap = np.zeros(rows.size, dtype=kt)
-        remap[combos] = np.arange(combos.size, dtype=kt)
-        combo, rows = remap[key], rows[combos]
-        del remap
-    else:
-        combos, combo, rows = np.unique(key, return_inverse=True, return_counts=True)
-    del key
-    cg, rest = np.divmod(combos, ny * nc)
-    cy, cc = np.divmod(rest, nc)
 
-    def total(key, size):  # rows per key value, read back per combination
-        return np.bincount(key, weights=rows, minlength=size).astype(np.int64)[key]
-
-    def within(key):  # rows of the same group per key value, per combination
+    def total(key):  # rows sharing the key value, read back per combination
         _, inv = np.unique(key, return_inverse=True)
-        return np.bincount(inv, weights=rows).astype(np.int64)[inv]
+        return np.bincount(inv.ravel(), weights=rows).astype(np.int64)[inv.ravel()]
 
-    n_yc, n_y, n_c = total(cy * nc + cc, ny * nc), total(cy, ny), total(cc, nc)
-    g_y, g_c = within(cg * ny + cy), within(cg * nc + cc)
-    g_yc = rows.astype(np.int64)
-    return (n_y - n_yc) - (g_y - g_yc), (n_c - n_yc) - (g_c - g_yc), combo
+    n_yc, n_y, n_c = total(y * nc + c), total(y), total(c)
+    g_y, g_c = total(g * ny + y), total(g * nc + c)
+    g_yc = rows.astype(np.int64)  # each (group, label, confounder) is one combination
+    return (n_y - n_yc) - (g_y - g_yc), (n_c - n_yc) - (g_c - g_yc)
 
 
 def _croma_problem(scopes, confounder: str, params: Mapping, view: str, design: str) -> str | None:
     m = int(params["m"])
     for scope, part in scopes:
-        so, os_, combo = _typed_counts(part, confounder)
+        so, os_ = _typed_counts(part)
         worst = int(min(so.min(), os_.min()))
         if worst < m:
             where = f"view {view!r}" + ("" if scope == "dataset" else f", scope {scope!r}")
             kind = "SO" if so.min() <= os_.min() else "OS"
-            low = (so if kind == "SO" else os_) == worst
-            row = int(np.flatnonzero(low[combo])[0])  # the first row with the fewest candidates
-            return (f"{where} ({len(part)} rows): CRoMa m={m} needs {m} SO and {m} OS neighbours outside each "
-                    f"row's group, but row {row} of the scope has only {worst} {kind} candidate(s); lower "
-                    f"[metrics.croma] m to at most {worst} or score a larger view")
+            low = np.flatnonzero((so if kind == "SO" else os_) == worst)
+            at = low[np.argmin(part.first[low])]  # the first row of the view with the fewest candidates
+            return (f"{where} ({part.n_rows} rows): CRoMa m={m} needs {m} SO and {m} OS neighbours outside each "
+                    f"row's group, but row {int(part.first[at])} of the view (group {part.group[at]!r}, label "
+                    f"{part.label[at]!r}, {confounder} {part.confounder[at]!r}) has only {worst} {kind} "
+                    f"candidate(s); lower [metrics.croma] m to at most {worst} or score a larger view")
     return None
 
 

@@ -34,6 +34,7 @@ from ..fingerprint import code_version, fingerprint
 from ..jobs.schema import Job
 from ..jobs.sections import as_dict
 from ..metrics import families
+from ..metrics.scope_counts import frame_combinations, scopes_from_combinations
 from ..neighbors.registry import engine_params, is_out_of_core
 from ..store import ResultsStore
 from .probe_identity import probe_record_fingerprint, probe_record_keys, probe_unit_done, probe_unit_fingerprint
@@ -176,81 +177,79 @@ def _metric_params(job: Job) -> list[tuple[str, dict]]:
             for params in families.get(name).units(job.metrics.family(name))]
 
 
-def _code_frame(cache, view: str, confounder: str, design: str):
-    """The columns planning checks (``label``, the confounder, ``group_id``, ``subset`` when
-    paired) as a frame of categoricals over the stripped values, read without building the view
-    (:meth:`cachescore.cache.Cache.view_codes`: a few bytes a row, so a view of millions of rows
-    is planned in little memory); None when the view's table cannot be read that way (a column
-    taken from the tileset, a column of another type): the caller reads the view.
+def _scope_columns(confounder: str, design: str) -> list[str] | None:
+    """The columns planning reads of a view: ``label``, the confounder, ``group_id`` (and
+    ``subset`` when paired); None when the confounder is one of the others (no lean reading)."""
+    columns = ["label", confounder, "group_id"] + (["subset"] if design == "paired_2x2" else [])
+    return columns if len(set(columns)) == len(columns) else None
+
+
+def _lean_scopes(cache, view: str, confounder: str, design: str):
+    """The view's scopes as combination counts read without building the view
+    (:meth:`cachescore.cache.Cache.view_combinations`: one batch of rows at a time, so a view of
+    millions of rows is planned in memory that grows with its slides, not its rows); None when
+    its table cannot be read that way (a column taken from the tileset, a column of another
+    type): the caller reads the view.
 
     Used for views of at least ``[neighbors] large_scope_rows`` rows only: the joined frame's
     own checks (sample ids known to the tileset, no blank values) then run on a worker, in the
     unit's scope task (:func:`cachescore.pipeline.large_unit.scope_task`), and fail the unit
     with the same message; smaller views are read whole and refused at planning."""
-    columns = ["label", confounder, "group_id"] + (["subset"] if design == "paired_2x2" else [])
-    if len(set(columns)) != len(columns):
+    columns = _scope_columns(confounder, design)
+    found = None if columns is None else cache.view_combinations(view, columns, strip=("label", confounder, "subset"))
+    if found is None:
         return None
-    codes = cache.view_codes(view, columns, strip=("label", confounder, "subset"))
-    if codes is None:
-        return None
-    return pd.DataFrame({c: pd.Categorical.from_codes(codes[c][0], categories=codes[c][1]) for c in columns})
+    return scopes_from_combinations(*found, subset=design == "paired_2x2")
 
 
-def _stripped(column):
-    """A column's values as stripped text (a categorical of :func:`_code_frame` already is)."""
-    return column if isinstance(column.dtype, pd.CategoricalDtype) else column.astype(str).str.strip()
+def _frame_scopes(frame, confounder: str, design: str):
+    """The scopes of a view frame read whole (what :func:`_lean_scopes` gives of its table)."""
+    if confounder not in frame.columns or "label" not in frame.columns or "group_id" not in frame.columns:
+        return []  # left to the metric's own validation
+    paired = design == "paired_2x2" and "subset" in frame.columns
+    columns = ["label", confounder, "group_id"] + (["subset"] if paired else [])
+    return scopes_from_combinations(*frame_combinations(frame, columns, strip=("label", confounder, "subset")),
+                                    subset=paired)
 
 
-def _scope_rows(frame, design: str) -> int:
-    """Rows of the largest scope of a view under ``design`` (``subset`` counts for paired)."""
-    if design == "paired_2x2" and "subset" in frame.columns and len(frame):
-        return int(_stripped(frame["subset"]).value_counts().max())
-    return int(len(frame))
+def _scope_rows(scopes) -> int:
+    """Rows of the largest scope (0 for an empty view)."""
+    return max((part.n_rows for _, part in scopes), default=0)
 
 
-def undefined_scope(frame, confounder: str, design: str, view: str) -> str | None:
+def undefined_scope(scopes, confounder: str, view: str) -> str | None:
     """Why RI / MaRI / CRoMa cannot give a defined score on this view, or None.
 
-    A scope (the whole view under ``all``, each subset under ``paired_2x2``) with a single value of
-    the confounder column has no OS neighbour (croma stores RI = 0.0 and fails CRoMa); one with a
-    single label has no SO neighbour (RI = 1.0). The message names the view, the scope, the column
-    and the value. Columns the view lacks are left to the metric's own validation.
+    ``scopes``: ``[(name, ScopeCounts)]`` (:mod:`cachescore.metrics.scope_counts`). A scope (the
+    whole view under ``all``, each subset under ``paired_2x2``) with a single value of the
+    confounder column has no OS neighbour (croma stores RI = 0.0 and fails CRoMa); one with a
+    single label has no SO neighbour (RI = 1.0). The message names the view, the scope, the
+    column and the value. An empty view is left to the metric's own validation.
     """
-    if confounder not in frame.columns or "label" not in frame.columns or not len(frame):
+    if not _scope_rows(scopes):
         return None
-    if design == "paired_2x2" and "subset" in frame.columns:
-        scopes = frame.groupby(_stripped(frame["subset"]), sort=True, observed=True)
-    else:
-        scopes = [("dataset", frame)]
     for name, part in scopes:
         where = f"view {view!r}" + ("" if name == "dataset" else f", scope {name!r}")
-        for column, lacks in ((confounder, "OS"), ("label", "SO")):
-            values = _stripped(part[column]).unique()
-            if len(values) < 2:
-                return (f"{where}: column {column!r} has a single value ({values[0]!r}), so no unit has an {lacks} "
+        for column, values, lacks in ((confounder, part.confounder, "OS"), ("label", part.label, "SO")):
+            distinct = pd.unique(values)
+            if len(distinct) < 2:
+                return (f"{where}: column {column!r} has a single value ({distinct[0]!r}), so no unit has an {lacks} "
                         f"neighbour and RI, MaRI and CRoMa are not defined here (croma would return a fallback); "
                         f"give every scope at least two {column!r} values or leave the view out of the job")
     return None
 
 
-def _scopes(frame, design: str) -> list[tuple[str, object]]:
-    """``[(scope name, its rows)]``: the whole view under ``all``, each subset under ``paired_2x2``."""
-    if design == "paired_2x2" and "subset" in frame.columns:
-        return [(str(k), part) for k, part in frame.groupby(_stripped(frame["subset"]), sort=True, observed=True)]
-    return [("dataset", frame)]
-
-
-def scope_size_problem(frame, confounder: str, design: str, view: str, metric: str, params: dict) -> str | None:
+def scope_size_problem(scopes, confounder: str, design: str, view: str, metric: str, params: dict) -> str | None:
     """Why ``metric`` with ``params`` cannot be scored on ``view`` for lack of rows, or None: the
-    family's own ``scope_problem`` over the view's scopes (RI / MaRI: some k of ``k_candidates``
-    below a scope's size, spec §3; CRoMa: ``m`` SO and ``m`` OS candidates outside its group for
-    every row, §7.5). The message names the view, the scope, the parameter and the counts, so
-    ``validate`` refuses before a cluster starts. Views lacking the columns are left to the
-    metric's own validation."""
-    if confounder not in frame.columns or "label" not in frame.columns or not len(frame):
+    family's own ``scope_problem`` over the view's scopes (``[(name, ScopeCounts)]``; RI /
+    MaRI: some k of ``k_candidates`` below a scope's size, spec §3; CRoMa: ``m`` SO and ``m`` OS
+    candidates outside its group for every row, §7.5). The message names the view, the scope,
+    the parameter and the counts, so ``validate`` refuses before a cluster starts. Empty views
+    are left to the metric's own validation."""
+    if not _scope_rows(scopes):
         return None
     check = families.get(metric).scope_problem
-    return None if check is None else check(_scopes(frame, design), confounder, params, view, design)
+    return None if check is None else check(scopes, confounder, params, view, design)
 
 
 def _design_for(job: Job, hint) -> str:
@@ -359,22 +358,22 @@ class _Planner:
             spec = self.cache.view_spec(view)
             view_fp = self.fps.view(view)
             design = _design_for(job, getattr(spec, "design", None))
-            frame = None
+            scopes = None
             if self.cache.view_rows(view) >= int(job.neighbors.large_scope_rows):
-                frame = _code_frame(self.cache, view, spec.confounder_column, design)
-            if frame is None:
-                frame = self.cache.read_view(view)
+                scopes = _lean_scopes(self.cache, view, spec.confounder_column, design)
+            if scopes is None:
+                scopes = _frame_scopes(self.cache.read_view(view), spec.confounder_column, design)
         except (ValueError, OSError) as exc:
             self.inputs[f"views/{view}"] = f"error: {_error(exc)}"
             return _ViewFacts(design=job.design if job.design != "auto" else "?", error=_error(exc),
                               too_small=[None] * len(self.families))
         self.inputs[f"views/{view}"] = view_fp
         confounder = spec.confounder_column
-        scope_err = undefined_scope(frame, confounder, design, view)
-        too_small = [None if scope_err else scope_size_problem(frame, confounder, design, view, metric, mparams)
+        scope_err = undefined_scope(scopes, confounder, view)
+        too_small = [None if scope_err else scope_size_problem(scopes, confounder, design, view, metric, mparams)
                      for metric, mparams in self.families]
         return _ViewFacts(design=design, tileset=spec.tileset, confounder=confounder, fingerprint=view_fp,
-                          scope_rows=_scope_rows(frame, design), scope_error=scope_err, too_small=too_small)
+                          scope_rows=_scope_rows(scopes), scope_error=scope_err, too_small=too_small)
 
     def plan_view(self, view: str, encoders: list) -> None:
         facts = self.view_facts(view)

@@ -109,6 +109,20 @@ def _store_writable(store) -> bool:
         return False
 
 
+def driver_allocator() -> None:
+    """Arrow's buffers in the driving process come from the C heap (``pyarrow.system_memory_pool``)
+    unless ``ARROW_DEFAULT_MEMORY_POOL`` chooses a pool (ADR-0022). The default pool (mimalloc)
+    keeps its freed pages in 2 MiB huge pages on a kernel with transparent huge pages: planning
+    a 2M-row view peaked 33 MiB higher with it (185 vs 152 MiB, +37 MiB over a 200k view against
+    +20). The driver makes few, short-lived Arrow buffers, so the C heap costs it no time;
+    workers in their own processes keep the default."""
+    if os.environ.get("ARROW_DEFAULT_MEMORY_POOL"):
+        return
+    import pyarrow as pa
+
+    pa.set_memory_pool(pa.system_memory_pool())
+
+
 def run_job(job, *, scheduler: str | None = None, out: TextIO | None = sys.stderr, processes: bool = True,
             plan: Plan | None = None, cluster: str | None = None, verbose: bool = False) -> RunSummary:
     """Score a job end to end (see module docstring). ``scheduler`` overrides ``[execution] scheduler``.
@@ -136,6 +150,7 @@ def run_job(job, *, scheduler: str | None = None, out: TextIO | None = sys.stder
     """
     t0 = time.perf_counter()
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    driver_allocator()
     store, plan = _prepare(job, plan, out)
     scheduler = scheduler or job.execution.scheduler or None
     kind = cluster or job.cluster.kind
