@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from .. import _combinations
 from .._finite import nonfinite_rows
 from .._hashing import sha256_file
 from .errors import (
@@ -329,8 +330,6 @@ class Cache:
         lacks a column, holds nulls in one, or a column is neither text nor integer (the caller
         then reads the view, :meth:`read_view`). Raises as :meth:`read_view` for a view that
         cannot be read."""
-        from .. import _combinations
-
         columns = list(columns)
         spec, data = self._view_pair(view)
         try:

@@ -21,6 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TextIO
 
+import pyarrow as pa
 from distributed import performance_report
 
 from ..cache.errors import CacheNotFoundError
@@ -118,8 +119,6 @@ def driver_allocator() -> None:
     workers in their own processes keep the default."""
     if os.environ.get("ARROW_DEFAULT_MEMORY_POOL"):
         return
-    import pyarrow as pa
-
     pa.set_memory_pool(pa.system_memory_pool())
 
 
