@@ -139,6 +139,10 @@ class ProbeRule:
         return ProbeRule(max(self.radius, other.radius), max(self.min_rows, other.min_rows))
 
 
+#: Rows of the probe distances sorted at a time when a :class:`ProbeGeometry` is built.
+_GEOMETRY_ROWS = 64
+
+
 class ProbeGeometry:
     """The probe distances of a partition with every query cluster's clusters in probe order
     (nearest first, ties by code; empty clusters included, they hold no rows), so the rows a rule
@@ -153,16 +157,21 @@ class ProbeGeometry:
     def __init__(self, dist: np.ndarray):
         self.dist = dist
         c = dist.shape[0]
-        self.order = np.argsort(dist, axis=1, kind="stable").astype(np.int32)  # C < 2**31
-        self.pos = np.empty_like(self.order)
-        self.pos[np.arange(c)[:, None], self.order] = np.arange(c, dtype=np.int32)[None, :]
+        self.order = np.empty((c, c), dtype=np.int32)  # C < 2**31
+        self.pos = np.empty((c, c), dtype=np.int32)
+        ranks = np.broadcast_to(np.arange(c, dtype=np.int32), (min(c, _GEOMETRY_ROWS), c))
+        for s in range(0, c, _GEOMETRY_ROWS):  # a block of rows at a time: no (C, C) int64 temporaries
+            e = min(c, s + _GEOMETRY_ROWS)
+            self.order[s:e] = np.argsort(dist[s:e], axis=1, kind="stable")
+            np.put_along_axis(self.pos[s:e], self.order[s:e], ranks[: e - s], axis=1)
 
     def cum_rows(self, pool_sizes) -> np.ndarray:
         """(C, C): rows of the pool in the first ``j + 1`` clusters of each probe order (int32
         when the pool's rows fit, else int64; the same values either way)."""
         sizes = np.asarray(pool_sizes, dtype=np.int64)
         dtype = np.int32 if int(sizes.sum()) < np.iinfo(np.int32).max else np.int64
-        return np.cumsum(sizes.astype(dtype)[self.order], axis=1, dtype=dtype)  # no int64 (C, C) gather
+        cum = sizes.astype(dtype)[self.order]  # gathered at the pool's width, summed in place
+        return np.cumsum(cum, axis=1, out=cum)
 
     def rows_before(self, cum: np.ndarray, pool_sizes, qa, nb) -> np.ndarray:
         """Pool rows in the clusters probed before cluster ``nb`` from query cluster ``qa``
