@@ -521,12 +521,14 @@ def _ratio_score(ctx: OutOfCore, params: dict, tau_param, mari: bool, k: int, km
                  scope_tables: list) -> LargeResult:
     """The scoring step of :func:`_ratio` at the operating ``k`` and temperature ``tau``, over
     each scope's tables (``scope_tables``, scope order), holding the unit's column."""
-    values, pooled, parts, log_pairs = [], [], [], []
+    pooled, parts, log_pairs = [], [], []
     n_def = n_units = 0
     type_counts = np.zeros(3, dtype=np.int64)
+    values = np.empty(sum(ref.n for ref in ctx.scopes), dtype=np.float64)  # the unit's column, scope order
     for ref, unit0, tables in zip(ctx.scopes, ctx.offsets(), scope_tables):
         outs = _fragments(ctx, ref, unit0)
         got = _map_out(ctx, _ratio_task, ref, outs, tables, int(k), int(kmax), tau, unit0)
+        _fill_column(values, n_units, n_units + ref.n, got)
         leaves = pairwise_leaves(ref.n)
         so = pairwise_total(ref.n, {lv: g[1] for lv, g in zip(leaves, got)})
         os_ = pairwise_total(ref.n, {lv: g[2] for lv, g in zip(leaves, got)})
@@ -534,7 +536,6 @@ def _ratio_score(ctx: OutOfCore, params: dict, tau_param, mari: bool, k: int, km
         n_def += int(counts[0])
         type_counts += counts[1:]
         n_units += ref.n
-        values.extend(g[0] for g in got)
         del got
 
         def log_totals(ref=ref, tables=tables):
@@ -549,7 +550,6 @@ def _ratio_score(ctx: OutOfCore, params: dict, tau_param, mari: bool, k: int, km
         log_pairs.append((so, os_, l_so, l_os, log_totals))
         parts.extend(outs)
     value = pooled[0] if ctx.design == "all" else _paired_pooled(log_pairs, tau)
-    values = np.concatenate(values) if values else np.empty(0)
     tail = _tail(values, _RESULT_ALPHA)
     del values
     per_unit = str(ctx.folder / "per_unit.parquet")
@@ -666,7 +666,9 @@ def croma_reduce(params: dict, ctx: OutOfCore) -> LargeResult:
 def _croma_score(ctx: OutOfCore, params: dict, m: int, scope_tables: list) -> LargeResult:
     """:func:`croma_reduce`'s scoring over each scope's typed tables, holding the unit's column
     (:data:`_COLUMN`)."""
-    values, medians, parts = [], [], []
+    medians, parts = [], []
+    unit_values = np.empty(sum(ref.n for ref in ctx.scopes), dtype=np.float64)  # the unit's column, scope order
+    at = 0
     for ref, unit0, tables in zip(ctx.scopes, ctx.offsets(), scope_tables):
         outs = _fragments(ctx, ref, unit0)
         got = _map_out(ctx, _croma_task, ref, outs, tables, m, unit0)
@@ -674,17 +676,15 @@ def _croma_score(ctx: OutOfCore, params: dict, m: int, scope_tables: list) -> La
         zero = np.int64(sum(g[2] for g in got))
         _require_support(unresolved, zero, dataset=ctx.dataset, design=ctx.design, subset=ref.name, unit=ctx.unit,
                          m=m, n=ref.n, k_final=SCHEDULE_NOT_COMPUTED)
-        scope_values = np.concatenate([g[0] for g in got])
+        _fill_column(unit_values, at, at + ref.n, got)
         del got
-        medians.append(float(np.median(scope_values)))
-        values.append(scope_values)
+        medians.append(float(np.median(unit_values[at : at + ref.n])))
+        at += ref.n
         parts.extend(outs)
     pair_values = np.asarray(medians, dtype=float)
     finite = pair_values[np.isfinite(pair_values)]
     value = float(np.median(finite)) if finite.size else float("nan")
     std = float(finite.std(ddof=0)) if finite.size > 1 else 0.0
-    unit_values = np.concatenate(values).astype(float) if values else np.empty(0, dtype=float)
-    del values
     tail = _tail(unit_values, float(params.get("alpha", _RESULT_ALPHA)))
     f0 = confounder_dominant_fraction(unit_values)
     n_units = int(unit_values.size)
@@ -695,6 +695,24 @@ def _croma_score(ctx: OutOfCore, params: dict, m: int, scope_tables: list) -> La
     return LargeResult(value=value, std=std, q_alpha=tail.q_alpha, ltm_alpha=tail.ltm_alpha,
                        n_pairs=int(pair_values.size), n_units=n_units, n_defined=n_units, fields=fields,
                        per_unit=per_unit)
+
+
+def _fill_column(column: np.ndarray, at: int, stop: int, got: list) -> None:
+    """Copy the ranges' value arrays (``got[i][0]``, range order) into ``column[at:stop]``,
+    dropping each from ``got`` once copied: the driver holds the unit's column plus one range,
+    not the ranges and a concatenated copy (the same float64 values as ``np.concatenate``).
+    Raises ``RuntimeError`` when the ranges do not fill ``at:stop`` exactly."""
+    start = at
+    for i, g in enumerate(got):
+        part = np.asarray(g[0])
+        if at + part.size > stop:
+            break
+        column[at : at + part.size] = part
+        at += part.size
+        got[i] = (None, *g[1:])
+    if at != stop or any(g[0] is not None for g in got):
+        raise RuntimeError(f"out-of-core reduction: the ranges returned a different number of values than the "
+                           f"scope's {stop - start} rows")
 
 
 def _fragments(ctx: OutOfCore, ref: ScopeRef, unit0: int) -> list[str]:
