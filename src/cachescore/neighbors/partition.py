@@ -96,7 +96,8 @@ def probe_distances(centroids: np.ndarray) -> np.ndarray:
     share of the scope's rows for every cluster. ``r = +inf`` probes every cluster (exact).
     """
     c = np.asarray(centroids, dtype=np.float64)
-    dist = 1.0 - c @ c.T
+    dist = c @ c.T
+    np.subtract(1.0, dist, out=dist)  # in place: one (C, C) array, not two
     np.maximum(dist, 0.0, out=dist)
     np.fill_diagonal(dist, -np.inf)
     return dist
