@@ -332,35 +332,19 @@ class Cache:
         cannot be read."""
         columns = list(columns)
         spec, data = self._view_pair(view)
-        try:
-            schema = pq.ParquetFile(pa.BufferReader(data)).schema_arrow
-        except (pa.ArrowException, OSError):
+        text = _code_columns(data, columns)
+        if text is None:
             return None
-        text = {}
-        for name in columns:
-            if name not in schema.names:
-                return None
-            kind = schema.field(name).type
-            text[name] = pa.types.is_string(kind) or pa.types.is_large_string(kind)
-            if not (text[name] or pa.types.is_integer(kind)):
-                return None
         seen: list[dict[str, int]] = [{} for _ in columns]
         parts, at = [], 0
         try:
             reader = pq.ParquetFile(pa.BufferReader(data), read_dictionary=[c for c in columns if text[c]])
             for batch in reader.iter_batches(batch_size=VIEW_CODE_BATCH, columns=columns, use_threads=False):
-                local_codes = []
-                for j, name in enumerate(columns):
-                    arr = batch.column(j)
-                    if arr.null_count:
-                        return None
-                    if not text[name]:
-                        arr = pc.dictionary_encode(pc.cast(arr, pa.string()))
-                    values = arr.dictionary.to_pylist()
-                    local = np.fromiter((seen[j].setdefault(v.strip() if name in strip else v, len(seen[j]))
-                                         for v in values), dtype=np.int64, count=len(values))
-                    local_codes.append(local[arr.indices.to_numpy(zero_copy_only=False)])
-                parts.append(_combinations.count(np.stack(local_codes, axis=1), offset=at))
+                codes = [_batch_codes(batch.column(j), text[name], name in strip, seen[j])
+                         for j, name in enumerate(columns)]
+                if any(c is None for c in codes):
+                    return None
+                parts.append(_combinations.count(np.stack(codes, axis=1), offset=at))
                 at += batch.num_rows
         except (pa.ArrowException, OSError):
             return None
@@ -666,3 +650,35 @@ class RowSource:
     def load_rows(self, rows) -> np.ndarray:
         """Tileset rows ``rows`` (int64 positions) as an eager array (:meth:`Cache.load_rows`)."""
         return Cache(self.cache_root).load_rows(self.encoder, self.tileset, rows)
+
+
+def _batch_codes(arr, is_text: bool, stripped: bool, seen: dict) -> np.ndarray | None:
+    """Codes (int64, one per row) of one batch of a view column, numbering each distinct value
+    (``str``, stripped when ``stripped``) in ``seen`` across batches; None when it holds nulls.
+    Text is read as a dictionary, so only its distinct values become Python strings."""
+    if arr.null_count:
+        return None
+    if not is_text:
+        arr = pc.dictionary_encode(pc.cast(arr, pa.string()))
+    values = arr.dictionary.to_pylist()
+    local = np.fromiter((seen.setdefault(v.strip() if stripped else v, len(seen)) for v in values),
+                        dtype=np.int64, count=len(values))
+    return local[arr.indices.to_numpy(zero_copy_only=False)]
+
+
+def _code_columns(data, columns) -> dict[str, bool] | None:
+    """``{column: is text}`` when the Parquet table ``data`` has every column as text or
+    integers, else None (a column missing or of another type, or a table that cannot be read)."""
+    try:
+        schema = pq.ParquetFile(pa.BufferReader(data)).schema_arrow
+    except (pa.ArrowException, OSError):
+        return None
+    text = {}
+    for name in columns:
+        if name not in schema.names:
+            return None
+        kind = schema.field(name).type
+        text[name] = pa.types.is_string(kind) or pa.types.is_large_string(kind)
+        if not (text[name] or pa.types.is_integer(kind)):
+            return None
+    return text
