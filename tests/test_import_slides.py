@@ -348,3 +348,39 @@ def test_a_view_is_deleted_by_name_and_nothing_else_is_touched(tmp_path, capsys)
     assert "no view 'scratch' in cache" in err and "(views: keep)" in err
     assert main(["view", str(cache), "--name", "x"]) == 2
     assert "--tileset, --confounder required to write a view" in capsys.readouterr().err
+
+
+def test_an_imports_view_of_every_tile_is_published_from_the_tilesets_bytes(tmp_path):
+    """The import's view of every manifest row is the tileset's table: it is published from the
+    bytes tiles.parquet was written with (one encoding, not two), and those are exactly the bytes
+    write_view encodes for the same rows on its own; a view of other rows is encoded for itself."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from cachescore.cache.writer import StoredTable, parquet_bytes, write_view
+
+    csv, folders, counts = _trident(tmp_path / "src", encoders=(0,))
+    slides = pd.read_csv(csv)
+    slides.assign(group_id=slides["patient"]).to_csv(csv, index=False)
+    cache = tmp_path / "cache"
+    assert main(_import_args(cache, csv, folders, ["enc0"]) + ["--link", "--view", "v=centre:all"]) == 0
+    tiles_file, view_file = cache / "tilesets/tiles/tiles.parquet", cache / "views/v.parquet"
+    assert view_file.read_bytes() == tiles_file.read_bytes()
+    sidecar = json.loads((cache / "views/v.json").read_text())
+    assert sidecar["table_sha256"] == hashlib.sha256(view_file.read_bytes()).hexdigest()
+    # the same rows written through the public path (no tileset table given): the same bytes, the same frame
+    c = Cache(cache, mode="a")
+    stored = c.read_tileset("tiles").drop(columns=["row"], errors="ignore")
+    write_view(c, "w", stored, tileset="tiles", confounder_column="centre", design="all")
+    assert (cache / "views/w.parquet").read_bytes() == tiles_file.read_bytes()
+    pd.testing.assert_frame_equal(Cache(cache).read_view("v"), Cache(cache).read_view("w"))
+    assert len(Cache(cache).read_view("v")) == sum(counts.values())
+    # a table that differs from the tileset's is encoded on its own, never given the tileset's bytes
+    like = StoredTable(pq.read_table(tiles_file), pa.py_buffer(tiles_file.read_bytes()))
+    reversed_rows = stored.iloc[::-1].reset_index(drop=True)
+    out = parquet_bytes(reversed_rows, string_columns=("sample_id", "image_path"), source="t", like=like)
+    assert out.data.to_pybytes() != like.data.to_pybytes()
+    back = pq.read_table(pa.BufferReader(out.data)).to_pandas()
+    assert back["sample_id"].tolist() == reversed_rows["sample_id"].tolist()

@@ -46,6 +46,7 @@ from .writer import (
     normalize_ids,
     normalized_text,
     parquet_table,
+    sample_ids_digest,
     stage_embeddings_blocks,
     store_tileset_frame,
     tileset_frame,
@@ -489,14 +490,13 @@ def import_cache(
     out = tileset_frame(tileset, frame)
     tiles_file = tiles_path(root, tileset)
     _check_targets(root, tileset, out, tiles_file, frame, views, source, overwrite=overwrite)
-    staged = _stage_all(root, tileset, plans, out["sample_id"].to_numpy(dtype=object), len(frame), source,
+    staged = _stage_all(root, tileset, plans, out["sample_id"], len(frame), source,
                         shard_rows=shard_rows, overwrite=overwrite, storage=storage,
                         describe_rows=_row_describer(frame, slide_column, tile_index_column),
                         rows_are=(f"the tiles of {source}'s slides" if tile_index_column == "tile_index"
                                   and layout == "per_slide" else f"{source} rows"))
     # publication: every input has been read and checked; the manifest first, then each encoder by rename
-    if not tiles_file.is_file():
-        store_tileset_frame(root, tileset, out)  # `out` is tileset_frame(frame): normalised once
+    stored = None if tiles_file.is_file() else store_tileset_frame(root, tileset, out)  # normalised once
     for name, staging in staged.items():
         atomic_replace_dir(staging, embeddings_dir(root, name, tileset), overwrite=True)
     for view, options in (views or {}).items():
@@ -504,8 +504,9 @@ def import_cache(
         confounder, design = options.pop("confounder_column"), options.pop("design", None)
         if options:
             raise ValueError(f"view {view!r}: unknown options {sorted(options)}")
-        write_view(root, view, frame, tileset=tileset, confounder_column=confounder, design=design,
-                   overwrite=overwrite)
+        # the manifest's rows as stored in tiles.parquet: a view of them is published from the tileset's bytes
+        write_view(root, view, out, tileset=tileset, confounder_column=confounder, design=design,
+                   overwrite=overwrite, tileset_table=stored)
     cache = Cache(root)
     if validate and not storage.link:
         for name in staged:
@@ -580,9 +581,11 @@ def _stage_all(root: Path, tileset: str, plans: dict, ids, n: int, source: str, 
     returns ``encoder -> staging folder`` of those that change. Identical bytes are dropped; on
     any failure every staging folder is removed and the cache is as it was."""
     staged: dict[str, Path] = {}
+    digest = sample_ids_digest(ids) if plans else None  # once, whatever the number of encoders
     try:
         for name, (dim, dtype, read_block, linked) in plans.items():
-            staging, meta = stage_embeddings_blocks(root, name, tileset, ids=ids, n_rows=n, dim=dim, dtype=dtype,
+            staging, meta = stage_embeddings_blocks(root, name, tileset, ids=ids, ids_digest=digest, n_rows=n,
+                                                    dim=dim, dtype=dtype,
                                                     read_block=read_block, shard_rows=shard_rows, storage=storage,
                                                     linked=linked,
                                                     source=f"encoder {name!r} (rows are {rows_are or source + ' rows'})",

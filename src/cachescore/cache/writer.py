@@ -59,6 +59,7 @@ __all__ = [
     "write_embeddings_blocks",
     "write_view",
     "delete_view",
+    "StoredTable",
     "default_shard_rows",
     "normalize_ids",
     "normalized_text",
@@ -157,32 +158,55 @@ def _rows(positions: np.ndarray, limit: int = 5) -> str:
     return f"{shown}{more}"
 
 
-def _write_parquet(path: Path, frame: pd.DataFrame, *, string_columns: tuple[str, ...], overwrite: bool, source: str,
-                   digest: bool = False) -> tuple[str, int] | None:
-    """Write ``frame`` as Parquet with an explicit schema: ``string_columns`` as ``string``, the rest
-    as pyarrow infers them from pandas (no index).
+class StoredTable:
+    """A table as :func:`_write_parquet` serialises it: its Arrow form (``table``) and the exact
+    Parquet bytes (``data``). The importer keeps the tileset's, so a view of exactly the tileset's
+    rows and columns is published from the same bytes instead of being encoded again."""
 
-    With ``digest`` the file is serialised in memory first and ``(sha256 hex, size in bytes)`` of
-    exactly the published bytes is returned (None otherwise)."""
+    __slots__ = ("table", "data")
+
+    def __init__(self, table: pa.Table, data: pa.Buffer):
+        self.table, self.data = table, data
+
+
+def parquet_bytes(frame: pd.DataFrame, *, string_columns: tuple[str, ...], source: str,
+                  like: StoredTable | None = None) -> StoredTable:
+    """``frame`` serialised as :func:`_write_parquet` stores it. When ``like`` holds an equal table
+    (same schema and values), its bytes are reused: Parquet encoding is deterministic, so they are
+    the bytes this frame would be encoded to."""
     table = parquet_table(frame, string_columns=string_columns, source=source)
-    if not digest:
-        atomic_write(path, lambda fh: pq.write_table(table, fh), overwrite=overwrite)
-        return None
+    if like is not None and like.table.equals(table):
+        return StoredTable(table, like.data)
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink)
-    data = sink.getvalue()
-    atomic_write(path, lambda fh: fh.write(data), overwrite=overwrite)
-    return hashlib.sha256(data).hexdigest(), int(data.size)
+    return StoredTable(table, sink.getvalue())
+
+
+def _write_parquet(path: Path, frame: pd.DataFrame, *, string_columns: tuple[str, ...], overwrite: bool, source: str,
+                   like: StoredTable | None = None) -> StoredTable:
+    """Write ``frame`` as Parquet with an explicit schema: ``string_columns`` as ``string``, the rest
+    as pyarrow infers them from pandas (no index). The file is serialised in memory first (see
+    :func:`parquet_bytes` for ``like``) and published atomically; returns what was written."""
+    stored = parquet_bytes(frame, string_columns=string_columns, source=source, like=like)
+    atomic_write(path, lambda fh: fh.write(stored.data), overwrite=overwrite)
+    return stored
 
 
 def parquet_table(frame: pd.DataFrame, *, string_columns: tuple[str, ...], source: str) -> pa.Table:
     """``frame`` as the Arrow table :func:`_write_parquet` stores (explicit schema, no metadata)."""
-    fields = []
     for name in frame.columns:
         if not isinstance(name, str):
             raise CacheError(f"{source}: column names must be strings, got {name!r}")
+    try:
+        inferred = pa.Schema.from_pandas(frame, preserve_index=False)
+    except (pa.ArrowException, TypeError, ValueError):
+        inferred = None  # name the column that cannot be stored
+    fields = []
+    for name in frame.columns:
         if name in string_columns:
             fields.append(pa.field(name, pa.string()))
+        elif inferred is not None:
+            fields.append(pa.field(name, inferred.field(name).type))
         else:
             try:
                 fields.append(pa.field(name, pa.Schema.from_pandas(frame[[name]], preserve_index=False).field(name).type))
@@ -208,16 +232,20 @@ def write_tileset(root, tileset: str, frame: pd.DataFrame, *, overwrite: bool = 
     """
     if not isinstance(frame, pd.DataFrame):
         raise TypeError(f"tileset {tileset!r}: frame must be a pandas DataFrame, got {type(frame).__name__}")
-    return store_tileset_frame(root, tileset, tileset_frame(tileset, frame), overwrite=overwrite)
+    store_tileset_frame(root, tileset, tileset_frame(tileset, frame), overwrite=overwrite)
+    return tiles_path(writable_root(root), tileset)
 
 
-def store_tileset_frame(root, tileset: str, out: pd.DataFrame, *, overwrite: bool = False) -> Path:
+#: The columns stored as Arrow ``string`` in ``tiles.parquet`` (and in a view, where present).
+_TILESET_TEXT = ("sample_id", "image_path")
+
+
+def store_tileset_frame(root, tileset: str, out: pd.DataFrame, *, overwrite: bool = False) -> StoredTable:
     """Write a frame :func:`tileset_frame` returned (already normalised and checked: the importer
-    does not normalise a manifest of millions of tiles twice)."""
+    does not normalise a manifest of millions of tiles twice); returns the table and bytes written
+    (``write_view(..., tileset_table=...)`` reuses them)."""
     path = tiles_path(writable_root(root), tileset)
-    source = f"tileset {tileset!r}"
-    _write_parquet(path, out, string_columns=("sample_id", "image_path"), overwrite=overwrite, source=source)
-    return path
+    return _write_parquet(path, out, string_columns=_TILESET_TEXT, overwrite=overwrite, source=f"tileset {tileset!r}")
 
 
 def tileset_frame(tileset: str, frame: pd.DataFrame) -> pd.DataFrame:
@@ -301,7 +329,7 @@ def stage_embeddings_blocks(
     encoder: str,
     tileset: str,
     *,
-    ids: np.ndarray,
+    ids,
     n_rows: int,
     dim: int,
     dtype,
@@ -312,11 +340,14 @@ def stage_embeddings_blocks(
     describe_rows: Callable[[np.ndarray], str] | None = None,
     storage: StorageOptions | None = None,
     linked: list | None = None,
+    ids_digest: str | None = None,
 ) -> tuple[Path, dict]:
     """Write an encoder's shards and ``meta.json`` into a hidden staging folder beside its target
     (``embeddings/<encoder>/.<tileset>.<pid>-<uuid>.partial``) and return ``(staging, meta)``;
     the caller publishes it (``atomic_replace_dir``) or removes it. ``ids`` are the tileset's
-    normalised sample ids (the tileset need not be written yet). On any error the staging folder
+    normalised sample ids (an object array, a text Series or an Arrow array; the tileset need not
+    be written yet); ``ids_digest``, when given, is their :func:`sample_ids_digest` (an import of
+    several encoders hashes them once). On any error the staging folder
     is removed and nothing else was touched. Raises like :func:`write_embeddings`; a
     :class:`NonFiniteError` names the rows, and what ``describe_rows(rows)`` says of them (e.g.
     their slide and tile) when given.
@@ -385,7 +416,7 @@ def stage_embeddings_blocks(
             "shape": [int(n_rows), int(dim)],
             "dtype": stored.name,
             "shards": shards,
-            "sample_ids_sha256": sample_ids_digest(ids),
+            "sample_ids_sha256": ids_digest or sample_ids_digest(ids),
         }
         if fmt == ZARR_FORMAT:
             meta["zarr"] = {"codec": storage.codec, "chunk_rows": storage.chunk_rows_for(int(dim), stored.itemsize)}
@@ -469,7 +500,8 @@ VIEW_REQUIRED = ("sample_id", "label", "group_id")
 
 
 def write_view(root, view: str, frame: pd.DataFrame, *, tileset: str, confounder_column: str,
-               design: str | None = None, overwrite: bool = False) -> Path:
+               design: str | None = None, overwrite: bool = False,
+               tileset_table: StoredTable | None = None) -> Path:
     """Write ``views/<view>.parquet`` and its sidecar ``views/<view>.json``.
 
     ``frame`` lists the view's rows in order (a sample_id may repeat, e.g. once per paired subset).
@@ -483,6 +515,12 @@ def write_view(root, view: str, frame: pd.DataFrame, *, tileset: str, confounder
     (between the two renames) detects the mismatch and re-reads (:meth:`Cache.read_view
     <cachescore.cache.Cache.read_view>`, :meth:`Cache.view_fingerprint
     <cachescore.cache.Cache.view_fingerprint>`): no reader ever uses a mixed pair.
+
+    ``tileset_table``: what :func:`store_tileset_frame` returned for ``tileset`` when the caller
+    just wrote it (the importer): its sample ids are not read back from ``tiles.parquet``, and a
+    view whose stored table equals it (an import's view of every tile) is published from its
+    bytes without encoding the table again. An Arrow-backed ``image_path`` column is stored as
+    ``string``, as in ``tiles.parquet`` (readers take image paths from the tileset).
 
     Raises :class:`ViewError` (missing columns, blank/unknown sample_id, naming rows),
     :class:`CacheNotFoundError` (tileset missing), ``FileExistsError`` (exists and not ``overwrite``).
@@ -507,12 +545,15 @@ def write_view(root, view: str, frame: pd.DataFrame, *, tileset: str, confounder
     tiles = tiles_path(root, tileset)
     if not tiles.is_file():
         raise CacheNotFoundError(f"{source}: tileset {tileset!r} not found: {tiles}")
-    tile_columns = pq.read_schema(tiles).names
+    tile_columns = tileset_table.table.column_names if tileset_table is not None else pq.read_schema(tiles).names
     missing = [c for c in (*VIEW_REQUIRED, column) if c not in frame.columns and c not in tile_columns]
     if missing:
         raise ViewError(f"{source}: missing required columns {missing} (in neither the view nor {tiles})")
     ids = normalized_text(frame["sample_id"], source=source)
-    known = _tileset_ids(root, tileset)
+    if tileset_table is not None:
+        known = text.as_series(text.arrow_text(tileset_table.table.column("sample_id")))
+    else:
+        known = _tileset_ids(root, tileset)
     if not _same_text(ids, known):  # a view of every tile in order (what an import writes) needs no lookup
         unknown = np.flatnonzero(pd.Index(known).get_indexer(ids) < 0)
         if unknown.size:
@@ -522,8 +563,12 @@ def write_view(root, view: str, frame: pd.DataFrame, *, tileset: str, confounder
     out["sample_id"] = ids
     if view_sidecar_path(root, view).exists() and not overwrite:
         raise FileExistsError(f"{view_sidecar_path(root, view)} already exists; pass overwrite=True to replace it")
-    digest, size = _write_parquet(view_table_path(root, view), out, string_columns=("sample_id",), overwrite=True,
-                                  source=source, digest=True)
+    # Arrow text image paths stored as `string`, as tiles.parquet stores them (pandas infers `string` for Python ones)
+    strings = ("sample_id", "image_path") if "image_path" in out and text.arrow_text(out["image_path"]) is not None \
+        else ("sample_id",)
+    data = _write_parquet(view_table_path(root, view), out, string_columns=strings, overwrite=True, source=source,
+                          like=tileset_table).data
+    digest, size = hashlib.sha256(data).hexdigest(), int(data.size)
     sidecar = {"version": SIDECAR_VERSION, "tileset": tileset, "confounder_column": column}
     if design is not None:
         sidecar["design"] = design
