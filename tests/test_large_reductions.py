@@ -5,7 +5,8 @@ Pins: on many random datasets (both designs; RI, MaRI with automatic, pinned and
 temperatures, CRoMa) every record field and the whole per-unit table equal, **bit for bit**, what
 the metric API computes in one process over the same neighbour tables (the path the driver took
 before issue 26); the pairwise-sum tree reproduces numpy's ``sum`` exactly; the distributed
-selection returns ``np.sort``'s order statistics; ranges are cut small (many leaves, many tasks)
+selection returns ``np.sort``'s order statistics, and the tail statistics, medians and F(0) taken
+from the per-unit fragments equal numpy's on the whole column; ranges are cut small (many leaves, many tasks)
 so the recombination is exercised.
 """
 
@@ -83,22 +84,61 @@ def test_distributed_selection_returns_the_sorted_order_statistics():
         assert large.exact_median(run, allv.size) == float(np.median(allv))
 
 
-def test_lower_tail_statistics_with_one_copy_equal_compute_tail_metrics():
-    from cachescore.metrics.tail import compute_tail_metrics
+def test_the_percentile_from_order_statistics_is_numpys_bit_for_bit():
+    rng = np.random.default_rng(3)
+    for trial in range(400):
+        n = int(rng.integers(1, 50)) if trial % 4 == 0 else int(rng.integers(1, 30_000))
+        v = rng.standard_normal(n) * np.exp(2 * rng.standard_normal(n))
+        if trial % 5 == 0:
+            v = np.round(v, 1)  # ties at the neighbouring ranks
+        ordered = np.sort(v)
+        for percent in (0.0, 10.0, 0.1 * 100, 25.0, 50.0, 99.9, 100.0, float(rng.uniform(0, 100))):
+            got = large.linear_percentile(lambda ranks: {r: ordered[r] for r in ranks}, n, percent)
+            assert got == float(np.percentile(v, percent)), (trial, n, percent)
+    assert np.isnan(large.linear_percentile(lambda ranks: {}, 0, 10.0))
+    with pytest.raises(ValueError, match="range"):
+        large.linear_percentile(lambda ranks: {}, 3, 101.0)
 
+
+def test_tails_medians_and_counts_from_fragments_equal_numpy_on_the_whole_column(tmp_path, client):
+    """The driver takes a unit's tail statistics, scope medians and F(0) counts from the per-unit
+    fragments on the workers; they equal numpy's over the concatenated column, NaN units, ties and
+    infinities included."""
+    from types import SimpleNamespace
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from cachescore.metrics.tail import compute_tail_metrics, confounder_dominant_fraction
+
+    ctx = SimpleNamespace(client=client)
     rng = np.random.default_rng(2)
-    for trial in range(120):
-        n = int(rng.integers(0, 4000))
+    for trial in range(24):
+        n = int(rng.integers(1, 3000))
         v = rng.standard_normal(n) * np.exp(rng.standard_normal(n))
-        if trial % 3 == 0 and n:
+        if trial % 3 == 0:
             v[rng.integers(0, n, n // 5)] = np.nan  # undefined units
         if trial % 5 == 0:
             v = np.round(v, 1)  # ties at the percentile
+        if trial % 7 == 0:
+            v[rng.integers(0, n, 3)] = np.inf
+        cuts = np.sort(rng.integers(0, n, int(rng.integers(0, 6))))
+        paths = []
+        for i, part in enumerate(np.split(v, cuts)):
+            paths.append(str(tmp_path / f"t{trial}-{i}.parquet"))
+            pq.write_table(pa.Table.from_pandas(pd.DataFrame({"unit": np.arange(part.size), "value": part}),
+                                                preserve_index=False), paths[-1])
         for alpha in (0.0, 0.1, 0.25, 1.0):
-            want = compute_tail_metrics(v[np.isfinite(v)], alpha=alpha)
-            got = large._tail(v, alpha)
+            want = compute_tail_metrics(v, alpha=alpha)
+            got, counts = large._fragments_tail(ctx, paths, alpha)
             np.testing.assert_array_equal([got.q_alpha, got.ltm_alpha, got.n_tail_samples],
                                           [want.q_alpha, want.ltm_alpha, want.n_tail_samples])
+        finite = int(counts[:, 0].sum())
+        assert finite == int(np.isfinite(v).sum()) and int(counts[:, 2].sum()) == int(np.isnan(v).sum())
+        f0 = float(np.float64(counts[:, 1].sum()) / finite) if finite else float("nan")
+        assert f0 == confounder_dominant_fraction(v) or (np.isnan(f0) and np.isnan(confounder_dominant_fraction(v)))
+        median = large._fragments_median(ctx, paths, n, int(counts[:, 2].sum()))
+        assert median == float(np.median(v)) or (np.isnan(median) and np.isnan(np.median(v))), trial
 
 
 # -- the metrics, against the metric API over the same tables ------------------------------------

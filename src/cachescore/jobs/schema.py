@@ -223,8 +223,8 @@ _CORE: dict[str, dict[str, Key]] = {
         "retries": Key((int,), 2, "Retries of a work unit after a transient (non-data) failure.", non_negative_int),
         "large_unit_drivers": Key((int,), 3, "Large-scope units (see [neighbors] large_scope_rows) driven at once "
                                              "from the client process (their searches and reductions run on the "
-                                             "workers; a driver holds no per-row state but one float64 per "
-                                             "unit while its statistics are taken).",
+                                             "workers; a driver holds no per-row state but the float64 values of "
+                                             "the units in a lower tail while their mean is taken).",
                                   positive_int),
         "dashboard": Key((bool,), True, "Serve the LocalCluster dashboard on 127.0.0.1 (a free port) and print its URL."),
         "performance_report": Key((bool,), True, "Save a Dask performance report (HTML) in the store's run folder."),

@@ -17,9 +17,11 @@ below:
 * **MaRI's auto temperature** (the median of every typed neighbour distance, ``n × k`` values):
   an exact distributed selection (:func:`select_ranks`, a radix search over the float64 bit
   patterns: 16-bit histograms until the wanted bin is small, then its values);
-* **per-unit values**: one float64 per unit goes back (``values``, 8 bytes a row), because the
-  lower-tail statistics, the medians and the lower-tail mean are order statistics and means over
-  them that must equal numpy's on the whole array;
+* **per-unit values** stay in the per-unit fragments on the workers. The lower-tail quantile and
+  CRoMa's scope medians are exact selections over them (:func:`linear_percentile`,
+  :func:`exact_median`); the lower-tail mean needs the tail itself in unit order (numpy's pairwise
+  sum over it), so the values at or below the quantile come back (about ``alpha`` of the units:
+  0.8 bytes a row at ``alpha = 0.1``); CRoMa's F(0) is a ratio of counts;
 * **per-unit table**: each range task writes its rows as a Parquet fragment; one task
   concatenates them (:func:`concat_parquet_task`) and the store takes the file as it is.
 
@@ -42,6 +44,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
+from distributed import as_completed
 
 from .._atomic import atomic_write
 from .._taskkeys import task_key
@@ -50,7 +53,7 @@ from ..neighbors.large_scope import ScopeRef
 from ..types import TailMetrics, TauAssessment
 from .croma import SCHEDULE_NOT_COMPUTED, _margins, _require_support
 from .kselect import knn_predictions, normalize_k_values, select_k_all, select_k_paired
-from .tail import compute_tail_metrics, confounder_dominant_fraction
+from .tail import compute_tail_metrics
 from .tau import (
     DEFAULT_TAU_SCALE_FACTOR,
     TAU_FALLBACK,
@@ -197,6 +200,31 @@ def exact_median(run, count: int) -> float:
     return float(np.mean(np.array([vals[r] for r in ranks], dtype=np.float64)))
 
 
+def linear_percentile(select, count: int, percent: float) -> float:
+    """``np.percentile(values, percent)`` (method "linear") of ``count`` values (NaN when empty)
+    from their order statistics: ``select(ranks) -> {rank: value}`` gives the values at 0-based
+    ranks of the ascending order. The same float64 operations as numpy's (its virtual index
+    ``(count - 1) * q``, the neighbouring ranks, its two-sided interpolation), so the result is
+    bit-identical (``tests/test_large_reductions.py`` compares them on random arrays)."""
+    if count == 0:
+        return float("nan")
+    q = float(np.true_divide(percent, 100))
+    if not 0.0 <= q <= 1.0:
+        raise ValueError("Percentiles must be in the range [0, 100]")
+    h = (count - 1) * q
+    if h >= count - 1:  # numpy takes the last value, with its index -1 in the weight
+        lo = hi = count - 1
+        gamma = h + 1.0
+    else:
+        lo = int(np.floor(h))
+        hi = lo + 1
+        gamma = h - lo
+    got = select(sorted({lo, hi}))
+    a, b = got[lo], got[hi]
+    diff = b - a
+    return float(b - diff * (1.0 - gamma)) if gamma >= 0.5 else float(a + diff * gamma)
+
+
 # ----------------------------------------------------------------------------- the unit's context
 
 
@@ -266,9 +294,6 @@ class LargeResult:
 _CODES_LOCK = threading.Lock()
 _CODES: dict = {}
 
-#: Driver side: one unit at a time gathers its per-unit values (8 bytes a row) and takes its
-#: order statistics, so concurrent drivers (``[execution] large_unit_drivers``) hold one column.
-_COLUMN = threading.Lock()
 
 
 def _codes(ref: ScopeRef):
@@ -361,8 +386,9 @@ def _fragment(path: str, frame: pd.DataFrame) -> None:
 
 def _ratio_task(ref: ScopeRef, lo: int, hi: int, tables: dict, k: int, kmax: int, tau, unit0: int, out: str):
     """Score rows ``lo:hi`` at ``k`` (evidence windows valid at ``kmax``; ``tau`` None for RI):
-    writes their per-unit fragment to ``out`` and returns ``(values, so sum, os sum, counts)``
-    with ``counts = (defined, types 1, 2, 3)`` and the sums over this leaf (``np.add.reduce``)."""
+    writes their per-unit fragment to ``out`` (the values stay there) and returns ``(so sum, os
+    sum, counts)`` with ``counts = (defined, types 1, 2, 3)`` and the sums over this leaf
+    (``np.add.reduce``)."""
     table, valid = _range_table(ref, tables, lo, hi, kmax, with_dist=tau is not None)
     s = unit_scores(table, valid, [k], tau, offset=lo)[int(k)]
     frame = pd.DataFrame({
@@ -375,7 +401,7 @@ def _ratio_task(ref: ScopeRef, lo: int, hi: int, tables: dict, k: int, kmax: int
     })
     _fragment(out, frame)
     counts = (int(s.defined.sum()), *(int(np.count_nonzero(s.types == t)) for t in (1, 2, 3)))
-    return s.values, np.add.reduce(s.so), np.add.reduce(s.os), counts
+    return np.add.reduce(s.so), np.add.reduce(s.os), counts
 
 
 def _log_task(ref: ScopeRef, lo: int, hi: int, tables: dict, k: int, kmax: int, tau, initial):
@@ -385,8 +411,8 @@ def _log_task(ref: ScopeRef, lo: int, hi: int, tables: dict, k: int, kmax: int, 
 
 
 def _croma_task(ref: ScopeRef, lo: int, hi: int, tables: dict, m: int, unit0: int, out: str):
-    """CRoMa margins of rows ``lo:hi``: writes their per-unit fragment and returns ``(values,
-    unresolved count, zero-denominator count)``."""
+    """CRoMa margins of rows ``lo:hi``: writes their per-unit fragment (the values stay there) and
+    returns ``(unresolved count, zero-denominator count)``."""
     so = _rows(tables["so_dist"], lo, hi, m)
     os_ = _rows(tables["os_dist"], lo, hi, m)
     values, unresolved, zero = _margins(so, os_)
@@ -395,7 +421,7 @@ def _croma_task(ref: ScopeRef, lo: int, hi: int, tables: dict, m: int, unit0: in
         "value": values.astype(np.float64),
     })
     _fragment(out, frame)
-    return values, int(unresolved.sum()), int(zero.sum())
+    return int(unresolved.sum()), int(zero.sum())
 
 
 def concat_parquet_task(parts: list, out: str) -> int:
@@ -417,6 +443,31 @@ def concat_parquet_task(parts: list, out: str) -> int:
 
     atomic_write(Path(out), write)
     return rows
+
+
+def _fragment_values(path: str) -> np.ndarray:
+    """The ``value`` column of a per-unit fragment, float64 in unit order (a null is NaN)."""
+    col = pq.read_table(path, columns=["value"]).column("value")
+    return col.to_numpy().astype(np.float64, copy=False)
+
+
+def _value_counts_task(path: str) -> tuple[int, int, int]:
+    """``(finite, finite and <= 0, NaN)`` counts of a fragment's values."""
+    v = _fragment_values(path)
+    finite = np.isfinite(v)
+    return int(np.count_nonzero(finite)), int(np.count_nonzero(v[finite] <= 0)), int(np.count_nonzero(np.isnan(v)))
+
+
+def _value_keys_task(path: str, requests: list, finite_only: bool) -> list:
+    """:func:`key_requests` over a fragment's values (the finite ones, or all but NaN)."""
+    v = _fragment_values(path)
+    return key_requests(_sortable(v[np.isfinite(v)] if finite_only else v[~np.isnan(v)]), requests)
+
+
+def _lower_tail_task(path: str, q: float) -> np.ndarray:
+    """A fragment's finite values ``<= q``, in unit order."""
+    v = _fragment_values(path)
+    return v[np.isfinite(v) & (v <= q)]
 
 
 # ----------------------------------------------------------------------------- client side
@@ -481,12 +532,11 @@ def _typed_median(ctx: OutOfCore, k: int, width_k: int) -> tuple[float, int]:
     jobs = [(ref, _tables(ctx, ref, width_k)) for ref in ctx.scopes if ref.n > 1]
 
     def run(requests):
-        answers = None
-        for ref, tables in jobs:
-            for ans, _ in ctx.map(_typed_task, ref, tables, int(k), requests, phase_detail="tau"):
-                answers = ans if answers is None else [a + b if r[0] == "hist" else np.concatenate([a, b])
-                                                      for a, b, r in zip(answers, ans, requests)]
-        return answers
+        totals = _KeyTotals(requests)
+        _fold(ctx, [(_typed_task, (ref, lo, hi, tables, int(k), requests))
+                    for ref, tables in jobs for lo, hi in pairwise_leaves(ref.n)],
+              lambda i, got: totals.add(i, got[0]), "tau")
+        return totals.result()
 
     count = int(run([("hist", 0, 0)])[0].sum()) if jobs else 0
     return exact_median(run, count), count
@@ -513,26 +563,23 @@ def _ratio(ctx: OutOfCore, params: dict, tau_param, mari: bool) -> LargeResult:
             tau = float(tau_param)
     ctx.folder.mkdir(parents=True, exist_ok=True)
     tables = [_tables(ctx, ref, kmax) for ref in ctx.scopes]  # searched before the column is taken
-    with _COLUMN:
-        return _ratio_score(ctx, params, tau_param, mari, k, kmax, tau, tables)
+    return _ratio_score(ctx, params, tau_param, mari, k, kmax, tau, tables)
 
 
 def _ratio_score(ctx: OutOfCore, params: dict, tau_param, mari: bool, k: int, kmax: int, tau,
                  scope_tables: list) -> LargeResult:
     """The scoring step of :func:`_ratio` at the operating ``k`` and temperature ``tau``, over
-    each scope's tables (``scope_tables``, scope order), holding the unit's column."""
+    each scope's tables (``scope_tables``, scope order); the per-unit values stay in the fragments."""
     pooled, parts, log_pairs = [], [], []
     n_def = n_units = 0
     type_counts = np.zeros(3, dtype=np.int64)
-    values = np.empty(sum(ref.n for ref in ctx.scopes), dtype=np.float64)  # the unit's column, scope order
     for ref, unit0, tables in zip(ctx.scopes, ctx.offsets(), scope_tables):
         outs = _fragments(ctx, ref, unit0)
         got = _map_out(ctx, _ratio_task, ref, outs, tables, int(k), int(kmax), tau, unit0)
-        _fill_column(values, n_units, n_units + ref.n, got)
         leaves = pairwise_leaves(ref.n)
-        so = pairwise_total(ref.n, {lv: g[1] for lv, g in zip(leaves, got)})
-        os_ = pairwise_total(ref.n, {lv: g[2] for lv, g in zip(leaves, got)})
-        counts = np.sum([g[3] for g in got], axis=0)
+        so = pairwise_total(ref.n, {lv: g[0] for lv, g in zip(leaves, got)})
+        os_ = pairwise_total(ref.n, {lv: g[1] for lv, g in zip(leaves, got)})
+        counts = np.sum([g[2] for g in got], axis=0)
         n_def += int(counts[0])
         type_counts += counts[1:]
         n_units += ref.n
@@ -550,8 +597,7 @@ def _ratio_score(ctx: OutOfCore, params: dict, tau_param, mari: bool, k: int, km
         log_pairs.append((so, os_, l_so, l_os, log_totals))
         parts.extend(outs)
     value = pooled[0] if ctx.design == "all" else _paired_pooled(log_pairs, tau)
-    tail = _tail(values, _RESULT_ALPHA)
-    del values
+    tail, _ = _fragments_tail(ctx, parts, _RESULT_ALPHA)
     per_unit = str(ctx.folder / "per_unit.parquet")
     ctx.client.submit(concat_parquet_task, parts, per_unit, pure=False, key=task_key("reduce", "table")).result()
     pair_values = np.asarray(pooled, dtype=np.float64)
@@ -567,23 +613,87 @@ def _ratio_score(ctx: OutOfCore, params: dict, tau_param, mari: bool, k: int, km
                        n_defined=int(n_def), fields=fields, per_unit=per_unit)
 
 
-def _tail(values: np.ndarray, alpha: float):
-    """:func:`~.tail.compute_tail_metrics` of the finite ``values`` (same numbers, bit for bit)
-    with one copy of the column instead of three: the percentile partitions its own copy, and
-    the lower tail is taken from ``values`` in unit order (its mean's pairwise sum needs that
-    order)."""
-    finite = np.isfinite(values)
-    if finite.all():
-        work = values.copy()
-    else:
-        work = values[finite]
-    if work.size == 0:
-        return compute_tail_metrics(work, alpha=alpha)
-    q = float(np.percentile(work, alpha * 100, overwrite_input=True))
-    del work
-    tail = values[finite & (values <= q)]
+def _fold(ctx: OutOfCore, calls: list, fold, phase_detail: str) -> None:
+    """Run ``fn(*args)`` on the workers for each ``(fn, args)`` of ``calls`` and ``fold(i, result)``
+    as each finishes (the driver holds one result at a time, not all of them); a failed task
+    cancels the rest and raises."""
+    futures = [ctx.client.submit(fn, *args, pure=False, key=task_key("reduce", f"{phase_detail}{i:05d}"))
+               for i, (fn, args) in enumerate(calls)]
+    index = {f.key: i for i, f in enumerate(futures)}
+    try:
+        for future, result in as_completed(futures, loop=ctx.client.loop, with_results=True):
+            fold(index[future.key], result)
+            future.release()
+    except BaseException:
+        ctx.client.cancel(futures)
+        raise
+
+
+class _KeyTotals:
+    """The answers to :func:`key_requests` summed over tasks as they arrive: histograms added,
+    gathered keys kept (their order does not matter: :func:`select_ranks` sorts them)."""
+
+    def __init__(self, requests: list):
+        self.requests = requests
+        self.totals: list = [np.zeros(1 << 16, dtype=np.int64) if r[0] == "hist" else [] for r in requests]
+
+    def add(self, _, answers: list) -> None:
+        for r, total, a in zip(self.requests, self.totals, answers):
+            if r[0] == "hist":
+                total += a
+            else:
+                total.append(a)
+
+    def result(self) -> list:
+        return [t if r[0] == "hist" else (np.concatenate(t) if t else np.empty(0, np.uint64))
+                for r, t in zip(self.requests, self.totals)]
+
+
+def _value_run(ctx: OutOfCore, paths: list, finite_only: bool):
+    """``run(requests)`` for :func:`select_ranks` over the values of the fragments ``paths``."""
+
+    def run(requests):
+        totals = _KeyTotals(requests)
+        _fold(ctx, [(_value_keys_task, (p, requests, finite_only)) for p in paths], totals.add, "keys")
+        return totals.result()
+
+    return run
+
+
+def _fragments_tail(ctx: OutOfCore, paths: list, alpha: float) -> tuple[TailMetrics, np.ndarray]:
+    """:func:`~.tail.compute_tail_metrics` of the finite values in the fragments ``paths`` (unit
+    order), bit for bit, with the per-fragment counts ``(finite, finite <= 0, NaN)`` (fragment
+    order) it took on the way: the quantile is selected exactly among the finite values
+    (:func:`linear_percentile`); only the values at or below it come back, for their mean in
+    unit order."""
+    counts = np.zeros((len(paths), 3), dtype=np.int64)
+
+    def put(i, c):
+        counts[i] = c
+
+    _fold(ctx, [(_value_counts_task, (p,)) for p in paths], put, "count")
+    n_finite = int(counts[:, 0].sum())
+    if n_finite == 0:
+        return compute_tail_metrics(np.empty(0), alpha=alpha), counts
+    run = _value_run(ctx, paths, finite_only=True)
+    q = linear_percentile(lambda ranks: select_ranks(run, ranks, limit=LEAF_ROWS), n_finite, alpha * 100)
+    pieces: list = [None] * len(paths)
+
+    def keep(i, values):
+        pieces[i] = values
+
+    _fold(ctx, [(_lower_tail_task, (p, q)) for p in paths], keep, "tail")
+    tail = np.concatenate(pieces)
     ltm = float(np.mean(tail)) if tail.size else q
-    return TailMetrics(alpha=alpha, q_alpha=q, ltm_alpha=ltm, n_tail_samples=int(tail.size))
+    return TailMetrics(alpha=alpha, q_alpha=q, ltm_alpha=ltm, n_tail_samples=int(tail.size)), counts
+
+
+def _fragments_median(ctx: OutOfCore, paths: list, count: int, nan: int) -> float:
+    """``np.median`` of the ``count`` values in the fragments ``paths`` (``nan`` of them NaN: then
+    NaN, as numpy's), by exact selection."""
+    if nan:
+        return float("nan")
+    return exact_median(_value_run(ctx, paths, finite_only=False), count)
 
 
 def _paired_pooled(scopes: list, tau) -> float:
@@ -659,60 +769,41 @@ def croma_reduce(params: dict, ctx: OutOfCore) -> LargeResult:
             _require_support(np.ones(ref.n, bool), np.zeros(ref.n, bool), dataset=ctx.dataset, design=ctx.design,
                              subset=ref.name, unit=ctx.unit, m=m, n=ref.n, k_final=SCHEDULE_NOT_COMPUTED)
         scope_tables.append(ctx.tables(ref, ("so", "os"), m))
-    with _COLUMN:
-        return _croma_score(ctx, params, m, scope_tables)
+    return _croma_score(ctx, params, m, scope_tables)
 
 
 def _croma_score(ctx: OutOfCore, params: dict, m: int, scope_tables: list) -> LargeResult:
-    """:func:`croma_reduce`'s scoring over each scope's typed tables, holding the unit's column
-    (:data:`_COLUMN`)."""
-    medians, parts = [], []
-    unit_values = np.empty(sum(ref.n for ref in ctx.scopes), dtype=np.float64)  # the unit's column, scope order
-    at = 0
+    """:func:`croma_reduce`'s scoring over each scope's typed tables; the per-unit values stay in
+    the fragments (scope medians and the tail by exact selection, F(0) from counts)."""
+    scope_parts = []
     for ref, unit0, tables in zip(ctx.scopes, ctx.offsets(), scope_tables):
         outs = _fragments(ctx, ref, unit0)
         got = _map_out(ctx, _croma_task, ref, outs, tables, m, unit0)
-        unresolved = np.int64(sum(g[1] for g in got))
-        zero = np.int64(sum(g[2] for g in got))
+        unresolved = np.int64(sum(g[0] for g in got))
+        zero = np.int64(sum(g[1] for g in got))
         _require_support(unresolved, zero, dataset=ctx.dataset, design=ctx.design, subset=ref.name, unit=ctx.unit,
                          m=m, n=ref.n, k_final=SCHEDULE_NOT_COMPUTED)
-        _fill_column(unit_values, at, at + ref.n, got)
-        del got
-        medians.append(float(np.median(unit_values[at : at + ref.n])))
-        at += ref.n
-        parts.extend(outs)
+        scope_parts.append(outs)
+    parts = [p for outs in scope_parts for p in outs]
+    tail, counts = _fragments_tail(ctx, parts, float(params.get("alpha", _RESULT_ALPHA)))
+    medians, at = [], 0
+    for ref, outs in zip(ctx.scopes, scope_parts):
+        nan = int(counts[at : at + len(outs), 2].sum())
+        medians.append(_fragments_median(ctx, outs, ref.n, nan))
+        at += len(outs)
     pair_values = np.asarray(medians, dtype=float)
     finite = pair_values[np.isfinite(pair_values)]
     value = float(np.median(finite)) if finite.size else float("nan")
     std = float(finite.std(ddof=0)) if finite.size > 1 else 0.0
-    tail = _tail(unit_values, float(params.get("alpha", _RESULT_ALPHA)))
-    f0 = confounder_dominant_fraction(unit_values)
-    n_units = int(unit_values.size)
-    del unit_values
+    n_finite, n_nonpositive = int(counts[:, 0].sum()), int(counts[:, 1].sum())
+    f0 = float(np.float64(n_nonpositive) / n_finite) if n_finite else float("nan")  # np.mean of the booleans
+    n_units = int(sum(ref.n for ref in ctx.scopes))
     per_unit = str(ctx.folder / "per_unit.parquet")
     ctx.client.submit(concat_parquet_task, parts, per_unit, pure=False, key=task_key("reduce", "table")).result()
     fields = {"f0": float(f0), "support": 1.0, "k": int(SCHEDULE_NOT_COMPUTED), "m": m, "n_defined": n_units}
     return LargeResult(value=value, std=std, q_alpha=tail.q_alpha, ltm_alpha=tail.ltm_alpha,
                        n_pairs=int(pair_values.size), n_units=n_units, n_defined=n_units, fields=fields,
                        per_unit=per_unit)
-
-
-def _fill_column(column: np.ndarray, at: int, stop: int, got: list) -> None:
-    """Copy the ranges' value arrays (``got[i][0]``, range order) into ``column[at:stop]``,
-    dropping each from ``got`` once copied: the driver holds the unit's column plus one range,
-    not the ranges and a concatenated copy (the same float64 values as ``np.concatenate``).
-    Raises ``RuntimeError`` when the ranges do not fill ``at:stop`` exactly."""
-    start = at
-    for i, g in enumerate(got):
-        part = np.asarray(g[0])
-        if at + part.size > stop:
-            break
-        column[at : at + part.size] = part
-        at += part.size
-        got[i] = (None, *g[1:])
-    if at != stop or any(g[0] is not None for g in got):
-        raise RuntimeError(f"out-of-core reduction: the ranges returned a different number of values than the "
-                           f"scope's {stop - start} rows")
 
 
 def _fragments(ctx: OutOfCore, ref: ScopeRef, unit0: int) -> list[str]:
