@@ -549,25 +549,13 @@ def write_view(root, view: str, frame: pd.DataFrame, *, tileset: str, confounder
     missing = [c for c in (*VIEW_REQUIRED, column) if c not in frame.columns and c not in tile_columns]
     if missing:
         raise ViewError(f"{source}: missing required columns {missing} (in neither the view nor {tiles})")
-    ids = normalized_text(frame["sample_id"], source=source)
-    if tileset_table is not None:
-        known = text.as_series(text.arrow_text(tileset_table.table.column("sample_id")))
-    else:
-        known = _tileset_ids(root, tileset)
-    if not _same_text(ids, known):  # a view of every tile in order (what an import writes) needs no lookup
-        unknown = np.flatnonzero(pd.Index(known).get_indexer(ids) < 0)
-        if unknown.size:
-            raise ViewError(f"{source}: sample_id values not in tileset {tileset!r} at rows {_rows(unknown)} "
-                            f"(e.g. {ids.iloc[unknown[0]]!r})")
+    ids = _known_view_ids(root, tileset, frame["sample_id"], tileset_table, source)
     out = frame.reset_index(drop=True).copy()
     out["sample_id"] = ids
     if view_sidecar_path(root, view).exists() and not overwrite:
         raise FileExistsError(f"{view_sidecar_path(root, view)} already exists; pass overwrite=True to replace it")
-    # Arrow text image paths stored as `string`, as tiles.parquet stores them (pandas infers `string` for Python ones)
-    strings = ("sample_id", "image_path") if "image_path" in out and text.arrow_text(out["image_path"]) is not None \
-        else ("sample_id",)
-    data = _write_parquet(view_table_path(root, view), out, string_columns=strings, overwrite=True, source=source,
-                          like=tileset_table).data
+    data = _write_parquet(view_table_path(root, view), out, string_columns=_view_text(out), overwrite=True,
+                          source=source, like=tileset_table).data
     digest, size = hashlib.sha256(data).hexdigest(), int(data.size)
     sidecar = {"version": SIDECAR_VERSION, "tileset": tileset, "confounder_column": column}
     if design is not None:
@@ -576,6 +564,29 @@ def write_view(root, view: str, frame: pd.DataFrame, *, tileset: str, confounder
     sidecar["table_bytes"] = size
     atomic_write_json(view_sidecar_path(root, view), sidecar, overwrite=True)
     return view_table_path(root, view)
+
+
+def _known_view_ids(root: Path, tileset: str, values, tileset_table: StoredTable | None, source: str) -> pd.Series:
+    """A view's normalised sample ids, every one of them in ``tileset`` (else :class:`ViewError`
+    naming the rows). The tileset's ids come from ``tileset_table`` when given, else from disk; a
+    view of every tile in order (what an import writes) needs no lookup."""
+    ids = normalized_text(values, source=source)
+    if tileset_table is not None:
+        known = text.as_series(text.arrow_text(tileset_table.table.column("sample_id")))
+    else:
+        known = _tileset_ids(root, tileset)
+    if not _same_text(ids, known):
+        unknown = np.flatnonzero(pd.Index(known).get_indexer(ids) < 0)
+        if unknown.size:
+            raise ViewError(f"{source}: sample_id values not in tileset {tileset!r} at rows {_rows(unknown)} "
+                            f"(e.g. {ids.iloc[unknown[0]]!r})")
+    return ids
+
+
+def _view_text(out: pd.DataFrame) -> tuple[str, ...]:
+    """The columns a view stores as ``string``: ``sample_id``, and an Arrow-text ``image_path`` as
+    ``tiles.parquet`` stores it (pandas infers ``string`` for Python strings anyway)."""
+    return _TILESET_TEXT if "image_path" in out and text.arrow_text(out["image_path"]) is not None else ("sample_id",)
 
 
 def _same_text(a: pd.Series, b: pd.Series) -> bool:
