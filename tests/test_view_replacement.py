@@ -65,6 +65,10 @@ def test_mixed_view_pair_is_refused(tmp_path, monkeypatch):
             cache.read_view("v")
         with pytest.raises(ViewError, match=r"does not match the sha256/size recorded in its sidecar"):
             cache.view_fingerprint("v")
+        for read in (lambda: cache.view_rows("v"), lambda: cache.view_columns("v", ["label"]),
+                     lambda: cache.view_combinations("v", ["label"])):  # the readers that stream the table
+            with pytest.raises(ViewError, match=r"does not match the sha256/size recorded in its sidecar"):
+                read()
     t.write_bytes(old_t)
     s.write_bytes(old_s)
     old_frame = cache.read_view("v")
@@ -85,7 +89,8 @@ def test_reader_retries_until_the_replacement_completes(tmp_path, monkeypatch):
     cache = Cache(tmp_path)
     expect = cache.read_view("v")
     expect_fp = cache.view_fingerprint("v")
-    for call in ("read_view", "view_fingerprint"):
+    expect_rows, expect_labels = cache.view_rows("v"), cache.view_combinations("v", ["label"])[0]
+    for call in ("read_view", "view_fingerprint", "view_rows", "view_combinations"):
         t.write_bytes(new_t)
         s.write_bytes(old_s)  # the in-flight state
         pauses = []
@@ -95,10 +100,14 @@ def test_reader_retries_until_the_replacement_completes(tmp_path, monkeypatch):
             s.write_bytes(new_s)
 
         monkeypatch.setattr(reader_mod.time, "sleep", finish_rename)
-        got = getattr(cache, call)("v")
+        got = cache.view_combinations("v", ["label"])[0] if call == "view_combinations" else getattr(cache, call)("v")
         monkeypatch.undo()
         assert len(pauses) == 1
-        if call == "read_view":
+        if call == "view_rows":
+            assert got == expect_rows == 3
+        elif call == "view_combinations":
+            assert got == expect_labels == [["x", "y"]]
+        elif call == "read_view":
             import pandas.testing as pdt
 
             pdt.assert_frame_equal(got, expect)

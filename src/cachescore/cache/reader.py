@@ -9,6 +9,7 @@ never embedding values.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -23,7 +24,7 @@ import pyarrow.parquet as pq
 
 from .. import _combinations
 from .._finite import nonfinite_rows
-from .._hashing import sha256_file
+from .._hashing import sha256_file, sha256_stream
 from .errors import (
     AlignmentError,
     CacheNotFoundError,
@@ -291,14 +292,39 @@ class Cache:
         frame.attrs = dict(kept.attrs)
         return frame
 
+    @contextlib.contextmanager
+    def _view_file(self, view: str):
+        """``(sidecar, binary file object)`` of ``view``'s table, checked as :meth:`_view_pair`
+        checks its bytes, without holding them: the open table is hashed in
+        :data:`~cachescore._hashing.HASH_BLOCK` steps and then read through the same handle, so
+        a replacement renamed in meanwhile is never mixed in (a table of millions of rows is
+        planned from a few of its columns). Raises as :meth:`_view_pair`."""
+        path = view_table_path(self.root, view)
+        errors = {"missing": lambda: CacheNotFoundError(f"view {view!r} table not found: {path}"),
+                  "broken": lambda exc: LayoutError(f"{path}: cannot read: {exc}")}
+        for attempt in range(1, VIEW_READ_ATTEMPTS + 1):
+            spec = self.view_spec(view)
+            with read_errors(f"view {view!r} table {path}", **errors):
+                fh = path.open("rb")
+                digest, size = sha256_stream(fh)
+                fh.seek(0)
+            with fh:
+                if spec.table_sha256 is None or (
+                        (spec.table_bytes is None or size == spec.table_bytes) and digest == spec.table_sha256):
+                    yield spec, fh
+                    return
+            if attempt < VIEW_READ_ATTEMPTS:
+                time.sleep(VIEW_RETRY_PAUSE * attempt)
+        raise _view_mismatch(view, path, view_sidecar_path(self.root, view), VIEW_READ_ATTEMPTS)
+
     def view_rows(self, view: str) -> int:
         """Rows of ``view``'s table, from its Parquet footer (nothing else is decoded). Raises as
         :meth:`read_view` for a view that cannot be read."""
-        spec, data = self._view_pair(view)
-        try:
-            return int(pq.ParquetFile(pa.BufferReader(data)).metadata.num_rows)
-        except (pa.ArrowException, OSError) as exc:
-            raise LayoutError(f"{view_table_path(self.root, view)}: cannot read: {exc}") from exc
+        with self._view_file(view) as (_, fh):
+            try:
+                return int(pq.ParquetFile(fh).metadata.num_rows)
+            except (pa.ArrowException, OSError) as exc:
+                raise LayoutError(f"{view_table_path(self.root, view)}: cannot read: {exc}") from exc
 
     def view_columns(self, view: str, columns) -> pd.DataFrame | None:
         """``columns`` of ``view``'s own table as a frame in view order, values as stored (text as
@@ -307,15 +333,15 @@ class Cache:
         :meth:`read_view`). For per-row look-ups of large views (a score's interval reads
         ``group_id`` and, for a fallback, the label and confounder). Raises as :meth:`read_view`
         for a view that cannot be read."""
-        spec, data = self._view_pair(view)
         columns = list(dict.fromkeys(columns))
-        try:
-            names = pq.read_schema(pa.BufferReader(data)).names
-            if any(c not in names for c in columns):
-                return None
-            table = pq.read_table(pa.BufferReader(data), columns=columns, read_dictionary=columns)
-        except (pa.ArrowException, OSError) as exc:
-            raise LayoutError(f"{view_table_path(self.root, view)}: cannot read: {exc}") from exc
+        with self._view_file(view) as (_, fh):
+            try:
+                names = pq.read_schema(fh).names
+                if any(c not in names for c in columns):
+                    return None
+                table = pq.read_table(fh, columns=columns, read_dictionary=columns)
+            except (pa.ArrowException, OSError) as exc:
+                raise LayoutError(f"{view_table_path(self.root, view)}: cannot read: {exc}") from exc
         return table.to_pandas()
 
     def view_combinations(self, view: str, columns, *, strip=()):
@@ -331,23 +357,23 @@ class Cache:
         then reads the view, :meth:`read_view`). Raises as :meth:`read_view` for a view that
         cannot be read."""
         columns = list(columns)
-        spec, data = self._view_pair(view)
-        text = _code_columns(data, columns)
-        if text is None:
-            return None
         seen: list[dict[str, int]] = [{} for _ in columns]
         parts, at = [], 0
-        try:
-            reader = pq.ParquetFile(pa.BufferReader(data), read_dictionary=[c for c in columns if text[c]])
-            for batch in reader.iter_batches(batch_size=VIEW_CODE_BATCH, columns=columns, use_threads=False):
-                codes = [_batch_codes(batch.column(j), text[name], name in strip, seen[j])
-                         for j, name in enumerate(columns)]
-                if any(c is None for c in codes):
-                    return None
-                parts.append(_combinations.count(np.stack(codes, axis=1), offset=at))
-                at += batch.num_rows
-        except (pa.ArrowException, OSError):
-            return None
+        with self._view_file(view) as (_, fh):
+            text = _code_columns(fh, columns)
+            if text is None:
+                return None
+            try:
+                reader = pq.ParquetFile(fh, read_dictionary=[c for c in columns if text[c]])
+                for batch in reader.iter_batches(batch_size=VIEW_CODE_BATCH, columns=columns, use_threads=False):
+                    codes = [_batch_codes(batch.column(j), text[name], name in strip, seen[j])
+                             for j, name in enumerate(columns)]
+                    if any(c is None for c in codes):
+                        return None
+                    parts.append(_combinations.count(np.stack(codes, axis=1), offset=at))
+                    at += batch.num_rows
+            except (pa.ArrowException, OSError):
+                return None
         codes, rows, first = _combinations.merge(parts, len(columns))
         names = []
         for j in range(len(columns)):
@@ -666,11 +692,12 @@ def _batch_codes(arr, is_text: bool, stripped: bool, seen: dict) -> np.ndarray |
     return local[arr.indices.to_numpy(zero_copy_only=False)]
 
 
-def _code_columns(data, columns) -> dict[str, bool] | None:
-    """``{column: is text}`` when the Parquet table ``data`` has every column as text or
-    integers, else None (a column missing or of another type, or a table that cannot be read)."""
+def _code_columns(source, columns) -> dict[str, bool] | None:
+    """``{column: is text}`` when the Parquet table ``source`` (a binary file object) has every
+    column as text or integers, else None (a column missing or of another type, or a table that
+    cannot be read)."""
     try:
-        schema = pq.ParquetFile(pa.BufferReader(data)).schema_arrow
+        schema = pq.ParquetFile(source).schema_arrow
     except (pa.ArrowException, OSError):
         return None
     text = {}
