@@ -44,6 +44,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .._hashing import sha256_file, sha256_stream
 from .._jsonsafe import json_safe
 from .._atomic import atomic_write, atomic_write_json, sweep_partials
 from .lock import process_alive
@@ -174,11 +175,12 @@ class ResultsStore:
         return f"ResultsStore({str(self.path)!r})"
 
     def _digest(self, f: Path, st: os.stat_result) -> str:
-        """sha256 of file ``f`` (``st``: its stat), memoised by identity (inode, size, mtime)."""
+        """sha256 of file ``f`` (``st``: its stat), memoised by identity (inode, size, mtime); read
+        in steps, never whole (an out-of-core unit's per-unit table holds millions of rows)."""
         memo = self.__dict__.setdefault("_digests", {})
         key = (str(f), st.st_ino, st.st_size, st.st_mtime_ns)
         if key not in memo:
-            memo[key] = hashlib.sha256(f.read_bytes()).hexdigest()
+            memo[key] = sha256_file(f)
         return memo[key]
 
     # -- paths --------------------------------------------------------------------------------
@@ -434,12 +436,8 @@ class ResultsStore:
         (a new name in the store) and return its per-unit pointer; read in 1 MiB blocks, so a
         table of any size costs no memory. Raises ``ValueError`` for a file that is not Parquet."""
         rows = pq.ParquetFile(source).metadata.num_rows
-        h = hashlib.sha256()
-        size = 0
         with open(source, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
-                size += len(block)
+            digest, size = sha256_stream(fh)
         try:
             os.link(source, dest)  # same file system: no copy; the scratch name goes with the scratch
         except OSError:
@@ -448,7 +446,7 @@ class ResultsStore:
                     shutil.copyfileobj(src, out, 1 << 20)
 
             atomic_write(dest, copy, overwrite=False)
-        return {"file": dest.name, "sha256": h.hexdigest(), "bytes": size, "rows": int(rows)}
+        return {"file": dest.name, "sha256": digest, "bytes": size, "rows": int(rows)}
 
     def record_failure(self, fp: str, *, unit: dict, error: str) -> None:
         """Record that unit ``fp`` failed with ``error``; a later :meth:`write_unit` supersedes it.
