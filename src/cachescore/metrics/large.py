@@ -295,7 +295,6 @@ _CODES_LOCK = threading.Lock()
 _CODES: dict = {}
 
 
-
 def _codes(ref: ScopeRef):
     """(labels, confounders, groups, group sizes) of the whole scope, int64; one scope kept per
     worker process (range tasks of one scope follow each other)."""
@@ -562,7 +561,7 @@ def _ratio(ctx: OutOfCore, params: dict, tau_param, mari: bool) -> LargeResult:
         else:
             tau = float(tau_param)
     ctx.folder.mkdir(parents=True, exist_ok=True)
-    tables = [_tables(ctx, ref, kmax) for ref in ctx.scopes]  # searched before the column is taken
+    tables = [_tables(ctx, ref, kmax) for ref in ctx.scopes]  # searched before scoring
     return _ratio_score(ctx, params, tau_param, mari, k, kmax, tau, tables)
 
 
@@ -764,7 +763,7 @@ def croma_reduce(params: dict, ctx: OutOfCore) -> LargeResult:
         raise ValueError("m must be >= 1")
     ctx.folder.mkdir(parents=True, exist_ok=True)
     scope_tables = []
-    for ref in ctx.scopes:  # searched before the column is taken (a scope below 2 rows fails first)
+    for ref in ctx.scopes:  # searched before scoring (a scope below 2 rows fails first)
         if ref.n < 2:
             _require_support(np.ones(ref.n, bool), np.zeros(ref.n, bool), dataset=ctx.dataset, design=ctx.design,
                              subset=ref.name, unit=ctx.unit, m=m, n=ref.n, k_final=SCHEDULE_NOT_COMPUTED)
