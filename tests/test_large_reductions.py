@@ -141,6 +141,25 @@ def test_tails_medians_and_counts_from_fragments_equal_numpy_on_the_whole_column
         assert median == float(np.median(v)) or (np.isnan(median) and np.isnan(np.median(v))), trial
 
 
+def _fails_on_three(i):
+    if i == 3:
+        raise ValueError("range 3 is broken")
+    return i * i
+
+
+def test_task_answers_are_folded_as_they_arrive_and_a_failure_is_raised(client):
+    """``_fold`` gives every answer with its index (in whatever order tasks finish) and raises a
+    failing task's error, cancelling the rest."""
+    from types import SimpleNamespace
+
+    ctx = SimpleNamespace(client=client)
+    got = {}
+    large._fold(ctx, [(_fails_on_three, (i,)) for i in range(6) if i != 3], lambda i, r: got.setdefault(i, r), "t")
+    assert got == {0: 0, 1: 1, 2: 4, 3: 16, 4: 25}  # indexes of the calls, not of the inputs
+    with pytest.raises(ValueError, match="range 3 is broken"):
+        large._fold(ctx, [(_fails_on_three, (i,)) for i in range(6)], lambda i, r: None, "t")
+
+
 # -- the metrics, against the metric API over the same tables ------------------------------------
 
 
