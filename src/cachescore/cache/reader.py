@@ -306,9 +306,10 @@ class Cache:
             spec = self.view_spec(view)
             with read_errors(f"view {view!r} table {path}", **errors):
                 fh = path.open("rb")
-                digest, size = sha256_stream(fh)
-                fh.seek(0)
             with fh:
+                with read_errors(f"view {view!r} table {path}", **errors):
+                    digest, size = sha256_stream(fh)
+                    fh.seek(0)
                 if spec.table_sha256 is None or (
                         (spec.table_bytes is None or size == spec.table_bytes) and digest == spec.table_sha256):
                     yield spec, fh

@@ -141,6 +141,8 @@ def sample_ids_digest(ids) -> str:
     """sha256 of the JSON list of normalised sample IDs (pins row alignment of embeddings). ``ids``:
     an object array, a Series or an Arrow array of strings; Arrow text is hashed from its buffers."""
     arr = text.arrow_text(ids)
+    if arr is None and isinstance(ids, pd.Series):
+        ids = ids.to_numpy(dtype=object)
     if arr is None and isinstance(ids, np.ndarray) and ids.dtype == object:
         try:
             arr = pa.array(ids, type=pa.large_string())
@@ -172,8 +174,8 @@ class StoredTable:
 def parquet_bytes(frame: pd.DataFrame, *, string_columns: tuple[str, ...], source: str,
                   like: StoredTable | None = None) -> StoredTable:
     """``frame`` serialised as :func:`_write_parquet` stores it. When ``like`` holds an equal table
-    (same schema and values), its bytes are reused: Parquet encoding is deterministic, so they are
-    the bytes this frame would be encoded to."""
+    (``Table.equals``: the same schema and values), its bytes are reused: they encode exactly this
+    table (and, the frame laid out as the tileset's was, are the bytes encoding would give)."""
     table = parquet_table(frame, string_columns=string_columns, source=source)
     if like is not None and like.table.equals(table):
         return StoredTable(table, like.data)
