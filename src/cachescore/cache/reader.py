@@ -250,14 +250,9 @@ class Cache:
         path = view_table_path(self.root, view)
         for attempt in range(1, VIEW_READ_ATTEMPTS + 1):
             spec = self.view_spec(view)
-            with read_errors(f"view {view!r} table {path}",
-                             missing=lambda: CacheNotFoundError(f"view {view!r} table not found: {path}"),
-                             broken=lambda exc: LayoutError(f"{path}: cannot read: {exc}")):
+            with _view_read_errors(view, path):
                 data = path.read_bytes()
-            if spec.table_sha256 is None or (
-                (spec.table_bytes is None or len(data) == spec.table_bytes)
-                and hashlib.sha256(data).hexdigest() == spec.table_sha256
-            ):
+            if _sidecar_matches(spec, len(data), lambda: hashlib.sha256(data).hexdigest()):
                 return spec, data
             if attempt < VIEW_READ_ATTEMPTS:
                 time.sleep(VIEW_RETRY_PAUSE * attempt)
@@ -300,18 +295,15 @@ class Cache:
         a replacement renamed in meanwhile is never mixed in (a table of millions of rows is
         planned from a few of its columns). Raises as :meth:`_view_pair`."""
         path = view_table_path(self.root, view)
-        errors = {"missing": lambda: CacheNotFoundError(f"view {view!r} table not found: {path}"),
-                  "broken": lambda exc: LayoutError(f"{path}: cannot read: {exc}")}
         for attempt in range(1, VIEW_READ_ATTEMPTS + 1):
             spec = self.view_spec(view)
-            with read_errors(f"view {view!r} table {path}", **errors):
+            with _view_read_errors(view, path):
                 fh = path.open("rb")
             with fh:
-                with read_errors(f"view {view!r} table {path}", **errors):
+                with _view_read_errors(view, path):
                     digest, size = sha256_stream(fh)
                     fh.seek(0)
-                if spec.table_sha256 is None or (
-                        (spec.table_bytes is None or size == spec.table_bytes) and digest == spec.table_sha256):
+                if _sidecar_matches(spec, size, lambda: digest):
                     yield spec, fh
                     return
             if attempt < VIEW_READ_ATTEMPTS:
@@ -691,6 +683,20 @@ def _batch_codes(arr, is_text: bool, stripped: bool, seen: dict) -> np.ndarray |
     local = np.fromiter((seen.setdefault(v.strip() if stripped else v, len(seen)) for v in values),
                         dtype=np.int64, count=len(values))
     return local[arr.indices.to_numpy(zero_copy_only=False)]
+
+
+def _view_read_errors(view: str, path):
+    """:func:`~.location.read_errors` of reading ``view``'s table at ``path``."""
+    return read_errors(f"view {view!r} table {path}",
+                       missing=lambda: CacheNotFoundError(f"view {view!r} table not found: {path}"),
+                       broken=lambda exc: LayoutError(f"{path}: cannot read: {exc}"))
+
+
+def _sidecar_matches(spec, size: int, digest) -> bool:
+    """Whether a view table of ``size`` bytes whose sha256 hex is ``digest()`` is the one ``spec``
+    (its sidecar) records; a sidecar without a digest matches any table."""
+    return spec.table_sha256 is None or (
+        (spec.table_bytes is None or size == spec.table_bytes) and digest() == spec.table_sha256)
 
 
 def _code_columns(source, columns) -> dict[str, bool] | None:
