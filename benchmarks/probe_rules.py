@@ -39,11 +39,11 @@ from cachescore.cache.synthetic import make_scale_cache  # noqa: E402
 from cachescore.neighbors.large_scope import files as tunables  # noqa: E402
 from cachescore.neighbors.normalize import normalize_rows  # noqa: E402
 from cachescore.neighbors.partition import (  # noqa: E402
+    ProbeBlock,
     ProbeGeometry,
     ProbeRule,
     assign_clusters,
     calibrate_probe,
-    probe_distances,
     spherical_kmeans,
     topk_tiles,
 )
@@ -70,6 +70,13 @@ def exact_answers(u, qs, groups, pools_of_query, kk, pool_rows):
     return bi
 
 
+def whole_geometry(geometry: ProbeGeometry) -> ProbeBlock:
+    """Every query cluster as one :class:`ProbeBlock` (C × C: fine for this benchmark's partitions;
+    the engine holds a block at a time)."""
+    blocks = list(geometry.blocks())
+    return ProbeBlock(0, geometry.n_clusters, *(np.concatenate([getattr(b, f) for b in blocks]) for f in ("dist", "order", "pos")))
+
+
 def fraction_work(geo, pools, target):
     """Work of the fixed-fraction rule at the exact quantile: the share f of each pool's rows."""
     need = []
@@ -88,7 +95,7 @@ def fraction_work(geo, pools, target):
 
 
 def rule_work(geo, pools, rule):
-    work = sum(float(np.dot(w, geo.probed_rows(geo.cum_rows(sz), rule))) for w, sz, _, _ in pools)
+    work = sum(float(np.dot(w, geo.probed_rows(geo.cum_rows(sz), [rule])[:, 0])) for w, sz, _, _ in pools)
     exact = sum(float(w.sum()) * int(sz.sum()) for w, sz, _, _ in pools)
     return work / exact
 
@@ -136,7 +143,8 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         cent = spherical_kmeans(u[sample], c, random_state=srng)
         cl = assign_clusters(u, cent)
-        geo = ProbeGeometry(probe_distances(cent))
+        geometry = ProbeGeometry(cent)
+        geo = whole_geometry(geometry)
         sizes = np.bincount(cl, minlength=c)
         qa = cl[qs]
         r, j = np.nonzero(cross >= 0)
@@ -155,7 +163,7 @@ def main(argv=None) -> int:
         print(f"  {'table':6s} {'fraction':>22s} {'radius':>22s} {'radius+floor':>30s}")
         for name, pools, floor in (("cross", pools_c, floor_c), ("typed", pools_t, floor_t)):
             wf, f = fraction_work(geo, pools, a.target)
-            best = calibrate_probe(geo, pools, a.target, floor)
+            best = calibrate_probe(geometry, pools, a.target, floor)
             # radius only: the floor fixed at its minimum, the smallest radius reaching the target
             d = np.concatenate([geo.dist[q, b] for _, _, q, b in pools])
             rb = np.concatenate([geo.rows_before(geo.cum_rows(s_), s_, q, b) for _, s_, q, b in pools])

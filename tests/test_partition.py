@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cachescore.neighbors import topk
+from cachescore.neighbors import partition, topk
 from cachescore.neighbors.normalize import cosine_distance_block, normalize_rows
 from cachescore.neighbors.partition import (
     assign_clusters,
@@ -66,11 +66,52 @@ def test_probe_chain_lists_every_cluster_once_nearest_next():
     rng = np.random.default_rng(3)
     cent = normalize_rows(rng.standard_normal((40, 6)).astype(np.float32))
     dist = probe_distances(cent)
-    chain = probe_chain(dist)
+    chain = probe_chain(ProbeGeometry(cent))
     assert sorted(chain.tolist()) == list(range(40)) and chain[0] == 0
     for i in range(39):
         rest = chain[i + 1 :]
         assert dist[chain[i], chain[i + 1]] == dist[chain[i], rest].min()
+    # listing fewer nearest clusters (the walk then computes exhausted rows again) changes nothing
+    for width in (1, 2, 5):
+        np.testing.assert_array_equal(probe_chain(ProbeGeometry(cent), width=width), chain)
+
+
+def test_geometry_rows_have_the_same_bits_however_they_are_asked_for():
+    """Calibration, the search plan and the chain read one cluster's distance row in different
+    orders: each row is computed in its aligned block, so every way gives the same bits, and a
+    block's probe order lists every cluster nearest first (ties by code) with ``pos`` its inverse."""
+    rng = np.random.default_rng(7)
+    cent = normalize_rows(rng.standard_normal((150, 48)).astype(np.float32))
+    geo = ProbeGeometry(cent)
+    dist = probe_distances(cent)
+    for a in rng.permutation(150):
+        np.testing.assert_array_equal(geo.row(a), dist[a])
+    for blk in geo.blocks():
+        np.testing.assert_array_equal(blk.dist, dist[blk.start : blk.stop])
+        for i in range(blk.stop - blk.start):
+            np.testing.assert_array_equal(blk.order[i], np.argsort(dist[blk.start + i], kind="stable"))
+            np.testing.assert_array_equal(blk.pos[i][blk.order[i]], np.arange(150))
+
+
+def test_the_probe_geometry_never_holds_a_cluster_by_cluster_array():
+    """C = n / 2048 grows with the scope: calibration and the chain hold GEOMETRY_ROWS x C at a
+    time (a (C, C) geometry was ~1.2 GB at 10M rows). Traced peak < a quarter of one (C, C) float64."""
+    import tracemalloc
+
+    rng = np.random.default_rng(0)
+    c = 3000
+    cent = normalize_rows(rng.standard_normal((c, 8)).astype(np.float32))
+    geo = ProbeGeometry(cent)
+    pools = [_pool(rng, c, 2000), _pool(rng, c, 2000)]
+    tracemalloc.start()
+    try:
+        ladder = probe_ladder(geo, pools, 0.95, 5)
+        chain = probe_chain(geo)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert sorted(chain.tolist()) == list(range(c)) and ladder[-1].exact
+    assert peak < c * c * 8 / 4, peak
 
 
 def _pool(rng, c, n_nb):
@@ -81,19 +122,22 @@ def _pool(rng, c, n_nb):
     return rng.integers(0, 40, c), sizes, qa, nb
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_calibrated_probe_rule_reaches_the_target_with_least_work(seed):
+@pytest.mark.parametrize("seed,block", [(0, 64), (1, 64), (2, 64), (0, 7), (1, 1)])
+def test_calibrated_probe_rule_reaches_the_target_with_least_work(seed, block, monkeypatch):
     """The rule's recall on the calibration neighbours (found iff their cluster is probed by
     probed_clusters) reaches the target; no rule of the radius x floor grid with less work does;
-    the ladder's rungs grow (superset probe sets) and end exact."""
+    the ladder's rungs grow (superset probe sets) and end exact. ``block``: query clusters per
+    geometry block (several blocks must give the rules one block gives)."""
+    monkeypatch.setattr(partition, "GEOMETRY_ROWS", block)
     rng = np.random.default_rng(seed)
     c = 30
     cent = normalize_rows(rng.standard_normal((c, 5)).astype(np.float32))
-    geo = ProbeGeometry(probe_distances(cent))
+    geo = ProbeGeometry(cent)
+    dist = probe_distances(cent)
     pools = [_pool(rng, c, 400), _pool(rng, c, 300)]
 
     def probe_sets(rule):
-        return [[set(probed_clusters(geo.dist[a], sz, rule.radius, rule.min_rows).tolist()) for a in range(c)]
+        return [[set(probed_clusters(dist[a], sz, rule.radius, rule.min_rows).tolist()) for a in range(c)]
                 for _, sz, _, _ in pools]
 
     def recall_and_work(rule):
@@ -109,9 +153,10 @@ def test_calibrated_probe_rule_reaches_the_target_with_least_work(seed):
         assert rec >= target - 1e-12 and rule.min_rows >= 5
         # the geometry's row count is what probed_clusters probes
         for (w, sz, _, _), sets in zip(pools, probe_sets(rule)):
-            np.testing.assert_array_equal(geo.probed_rows(geo.cum_rows(sz), rule), [sz[list(s)].sum() for s in sets])
+            got = np.concatenate([blk.probed_rows(blk.cum_rows(sz), [rule])[:, 0] for blk in geo.blocks()])
+            np.testing.assert_array_equal(got, [sz[list(s)].sum() for s in sets])
         # no cheaper rule among finite radii of the neighbours and the floors tried
-        radii = sorted({float(geo.dist[a_, nb_]) for _, _, qa, nb in pools for a_, nb_ in zip(qa, nb)})
+        radii = sorted({float(dist[a_, nb_]) for _, _, qa, nb in pools for a_, nb_ in zip(qa, nb)})
         for floor in (5, 7, 10, 14, 20):
             for r in radii[:: max(1, len(radii) // 25)]:
                 rr, ww = recall_and_work(ProbeRule(r, floor))

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .._threads import shared_blas_pin
 from .topk import merge_similarity_tile
 
 __all__ = [
@@ -36,6 +37,8 @@ __all__ = [
     "probe_chain",
     "ProbeRule",
     "ProbeGeometry",
+    "ProbeBlock",
+    "probe_work",
     "calibrate_probe",
     "probe_ladder",
     "topk_tiles",
@@ -85,9 +88,20 @@ def assign_clusters(u: np.ndarray, centroids: np.ndarray, *, block: int = 65536)
     return out
 
 
+#: Query clusters whose probe distances, probe orders and cumulative pool rows are held at a time
+#: (:class:`ProbeGeometry`): the geometry's memory is ``GEOMETRY_ROWS × C``, never ``C × C``.
+GEOMETRY_ROWS = 64
+
+#: Nearest clusters listed per cluster for :func:`probe_chain` (a longer walk past them computes
+#: the cluster's distance row again).
+CHAIN_WIDTH = 32
+
+
 def probe_distances(centroids: np.ndarray) -> np.ndarray:
     """(C, C) float64 probe distances between clusters: ``1 - c_a · c_b`` of the unit centroids,
-    ``-inf`` on the diagonal (a query cluster always probes itself first).
+    clipped at 0, ``-inf`` on the diagonal (a query cluster always probes itself first); the rows
+    of :meth:`ProbeGeometry.distance_blocks`, stacked (tests and small partitions only: the
+    engine never holds the (C, C) matrix).
 
     From query cluster ``a`` every non-empty cluster ``b`` with ``dist[a, b] <= r`` is probed
     (:func:`probed_clusters`), for one *probe radius* ``r`` calibrated from exact answers: a
@@ -95,12 +109,8 @@ def probe_distances(centroids: np.ndarray) -> np.ndarray:
     small, tight tissue region probes few rows, one in a large region many) instead of a fixed
     share of the scope's rows for every cluster. ``r = +inf`` probes every cluster (exact).
     """
-    c = np.asarray(centroids, dtype=np.float64)
-    dist = c @ c.T
-    np.subtract(1.0, dist, out=dist)  # in place: one (C, C) array, not two
-    np.maximum(dist, 0.0, out=dist)
-    np.fill_diagonal(dist, -np.inf)
-    return dist
+    geometry = ProbeGeometry(centroids)
+    return np.concatenate([dist for _, _, dist in geometry.distance_blocks()], axis=0)
 
 
 def probed_clusters(dist_row: np.ndarray, sizes: np.ndarray, radius: float, min_rows: int = 0) -> np.ndarray:
@@ -140,34 +150,22 @@ class ProbeRule:
         return ProbeRule(max(self.radius, other.radius), max(self.min_rows, other.min_rows))
 
 
-#: Rows of the probe distances sorted at a time when a :class:`ProbeGeometry` is built.
-_GEOMETRY_ROWS = 64
+@dataclass(frozen=True)
+class ProbeBlock:
+    """The probe geometry of query clusters ``start:stop``: their distance rows ``dist``
+    (b, C) float64 and their probe orders ``order`` (b, C) int32 (every cluster, nearest first,
+    ties by code; empty clusters included, they hold no rows) with each cluster's place in them
+    ``pos`` (b, C) int32, so the rows a rule probes and the rule that finds a neighbour are array
+    lookups."""
 
-
-class ProbeGeometry:
-    """The probe distances of a partition with every query cluster's clusters in probe order
-    (nearest first, ties by code; empty clusters included, they hold no rows), so the rows a rule
-    probes and the rule that finds a calibration neighbour are array lookups.
-
-    ``dist`` (C, C) from :func:`probe_distances`. Memory: ``dist`` (float64) and two int32
-    (C, C) index arrays, plus one pool's (C, C) cumulative row count at a time (int32 while a
-    pool holds fewer than 2**31 rows) while a calibration runs: C = n / 2048 grows with n, so these grow as
-    n² (7.6 MB per float64 array at 2M rows); integers are kept at 4 bytes for that reason.
-    """
-
-    def __init__(self, dist: np.ndarray):
-        self.dist = dist
-        c = dist.shape[0]
-        self.order = np.empty((c, c), dtype=np.int32)  # C < 2**31
-        self.pos = np.empty((c, c), dtype=np.int32)
-        ranks = np.broadcast_to(np.arange(c, dtype=np.int32), (min(c, _GEOMETRY_ROWS), c))
-        for s in range(0, c, _GEOMETRY_ROWS):  # a block of rows at a time: no (C, C) int64 temporaries
-            e = min(c, s + _GEOMETRY_ROWS)
-            self.order[s:e] = np.argsort(dist[s:e], axis=1, kind="stable")
-            np.put_along_axis(self.pos[s:e], self.order[s:e], ranks[: e - s], axis=1)
+    start: int
+    stop: int
+    dist: np.ndarray
+    order: np.ndarray
+    pos: np.ndarray
 
     def cum_rows(self, pool_sizes) -> np.ndarray:
-        """(C, C): rows of the pool in the first ``j + 1`` clusters of each probe order (int32
+        """(b, C): rows of the pool in the first ``j + 1`` clusters of each probe order (int32
         when the pool's rows fit, else int64; the same values either way)."""
         sizes = np.asarray(pool_sizes, dtype=np.int64)
         dtype = np.int32 if int(sizes.sum()) < np.iinfo(np.int32).max else np.int64
@@ -175,17 +173,136 @@ class ProbeGeometry:
         return np.cumsum(cum, axis=1, out=cum)
 
     def rows_before(self, cum: np.ndarray, pool_sizes, qa, nb) -> np.ndarray:
-        """Pool rows in the clusters probed before cluster ``nb`` from query cluster ``qa``
-        (arrays of equal shape): a floor of ``min_rows`` reaches ``nb`` iff this is ``< min_rows``."""
-        return cum[qa, self.pos[qa, nb]] - np.asarray(pool_sizes, dtype=np.int64)[nb]
+        """Pool rows in the clusters probed before cluster ``nb`` from query cluster ``qa`` (arrays
+        of equal shape, ``qa`` in this block): a floor of ``min_rows`` reaches ``nb`` iff this is
+        ``< min_rows``."""
+        r = np.asarray(qa, dtype=np.int64) - self.start
+        return cum[r, self.pos[r, nb]] - np.asarray(pool_sizes, dtype=np.int64)[nb]
 
-    def probed_rows(self, cum: np.ndarray, rule: ProbeRule) -> np.ndarray:
-        """(C,) int64: pool rows each query cluster probes under ``rule``."""
-        c = cum.shape[1]
-        n_r = np.count_nonzero(self.dist <= rule.radius, axis=1)  # >= 1: the own cluster (a row's count
-        # over its probe order is its count over the row: the same values, permuted)
-        n_f = np.minimum(np.count_nonzero(cum < rule.min_rows, axis=1) + 1, c)
-        return cum[np.arange(cum.shape[0]), np.maximum(n_r, n_f) - 1]
+    def probed_rows(self, cum: np.ndarray, rules) -> np.ndarray:
+        """(b, len(rules)) int64: pool rows each query cluster of the block probes under each rule."""
+        b, c = cum.shape
+        radii = np.array([r.radius for r in rules], dtype=np.float64)
+        floors = np.array([r.min_rows for r in rules], dtype=np.int64)
+        near = np.take_along_axis(self.dist, self.order.astype(np.intp), axis=1)  # each row ascending
+        # clusters within the radius / before the floor is reached, row by row (a row's counts over
+        # its probe order are its counts over the row: the same values, permuted)
+        n_r = np.stack([np.searchsorted(near[i], radii, side="right") for i in range(b)]) if b else np.zeros((0, radii.size), np.int64)
+        n_f = np.stack([np.searchsorted(cum[i], floors, side="left") for i in range(b)]) if b else np.zeros((0, radii.size), np.int64)
+        last = np.maximum(n_r, np.minimum(n_f + 1, c)) - 1
+        return np.take_along_axis(cum, last, axis=1).astype(np.int64)
+
+
+class ProbeGeometry:
+    """The probe geometry of a partition, from its centroids (C, d), ``GEOMETRY_ROWS`` query
+    clusters at a time (:class:`ProbeBlock`): memory O(``GEOMETRY_ROWS`` · C) whatever C (C = n /
+    2048 grows with the scope; a (C, C) geometry would grow as n²: ~1.2 GB at 10M rows).
+
+    Distance rows are computed in blocks aligned on multiples of ``GEOMETRY_ROWS`` with BLAS on
+    one thread, so a cluster's row has the same bits however often and in whatever order it is
+    asked for (calibration, the search plan, the chain): a rule calibrated on a distance probes by
+    that same distance.
+    """
+
+    def __init__(self, centroids: np.ndarray):
+        self.centroids = np.ascontiguousarray(np.asarray(centroids, dtype=np.float64))
+        self.n_clusters = int(self.centroids.shape[0])
+        self._last: tuple[int, np.ndarray] | None = None
+
+    def _distances(self, start: int) -> np.ndarray:
+        """Distance rows of the aligned block starting at ``start`` (b, C) float64."""
+        c = self.centroids
+        stop = min(self.n_clusters, start + GEOMETRY_ROWS)
+        with shared_blas_pin():
+            dist = c[start:stop] @ c.T
+        np.subtract(1.0, dist, out=dist)
+        np.maximum(dist, 0.0, out=dist)
+        dist[np.arange(stop - start), np.arange(start, stop)] = -np.inf
+        return dist
+
+    def distance_blocks(self):
+        """``(start, stop, dist)`` for every aligned block of query clusters, in order."""
+        for s in range(0, self.n_clusters, GEOMETRY_ROWS):
+            yield s, min(self.n_clusters, s + GEOMETRY_ROWS), self._distances(s)
+
+    def blocks(self):
+        """Every :class:`ProbeBlock`, in order of query cluster."""
+        c = self.n_clusters
+        for s, e, dist in self.distance_blocks():
+            order = np.argsort(dist, axis=1, kind="stable").astype(np.int32)  # C < 2**31
+            pos = np.empty_like(order)
+            np.put_along_axis(pos, order.astype(np.intp), np.broadcast_to(np.arange(c, dtype=np.int32), order.shape), axis=1)
+            yield ProbeBlock(s, e, dist, order, pos)
+
+    def row(self, a: int) -> np.ndarray:
+        """(C,) distance row of query cluster ``a`` (its block is kept until another is asked for)."""
+        start = (int(a) // GEOMETRY_ROWS) * GEOMETRY_ROWS
+        if self._last is None or self._last[0] != start:
+            self._last = (start, self._distances(start))
+        return self._last[1][int(a) - start]
+
+
+def _neighbour_reach(geometry: ProbeGeometry, pools) -> tuple[np.ndarray, np.ndarray]:
+    """For every calibration neighbour (pools concatenated in order): its cluster's distance from
+    its query cluster, and the pool rows probed before that cluster (:meth:`ProbeBlock.rows_before`)."""
+    sizes_of = [np.asarray(sz) for _, sz, _, _ in pools]
+    qas = [np.asarray(qa, dtype=np.int64) for _, _, qa, _ in pools]
+    nbs = [np.asarray(nb, dtype=np.int64) for _, _, _, nb in pools]
+    d = [np.empty(qa.size, dtype=np.float64) for qa in qas]
+    rb = [np.empty(qa.size, dtype=np.int64) for qa in qas]
+    by_query = [np.argsort(qa, kind="stable") for qa in qas]
+    for blk in geometry.blocks():
+        for p, (sz, qa, nb, srt) in enumerate(zip(sizes_of, qas, nbs, by_query)):
+            lo, hi = np.searchsorted(qa[srt], [blk.start, blk.stop])
+            sel = srt[lo:hi]
+            if sel.size == 0:
+                continue
+            d[p][sel] = blk.dist[qa[sel] - blk.start, nb[sel]]
+            rb[p][sel] = blk.rows_before(blk.cum_rows(sz), sz, qa[sel], nb[sel])
+    return (np.concatenate(d) if d else np.zeros(0)), (np.concatenate(rb) if rb else np.zeros(0, np.int64))
+
+
+def probe_work(geometry: ProbeGeometry, pools, rules) -> np.ndarray:
+    """(len(rules),) int64: the probe work ``sum_p sum_a query_weights[a] · probed_rows_p[a]`` of
+    each rule over ``pools`` (see :func:`calibrate_probe`), in one pass over the geometry."""
+    work = np.zeros(len(rules), dtype=np.int64)
+    if not rules:
+        return work
+    for blk in geometry.blocks():
+        for w, sz, _, _ in pools:
+            weights = np.asarray(w, dtype=np.int64)[blk.start : blk.stop]
+            work += weights @ blk.probed_rows(blk.cum_rows(sz), rules)
+    return work
+
+
+def _floors(pools, min_rows: int) -> list[int]:
+    """The floor grid ``min_rows · 2^(j/2)`` up to twice the largest pool."""
+    biggest = max([int(np.asarray(s).sum()) for _, s, _, _ in pools] + [int(min_rows), 1])
+    floors, f = [], float(max(1, int(min_rows)))
+    while f < 2 * biggest:
+        floors.append(int(round(f)))
+        f *= 2 ** 0.5
+    return sorted(set(floors))
+
+
+def _least_work_rules(geometry: ProbeGeometry, pools, targets, min_rows: int) -> list[ProbeRule]:
+    """:func:`calibrate_probe` for several targets: one pass over the geometry for the
+    neighbours' reach, one for the work of every candidate rule."""
+    d, rb = _neighbour_reach(geometry, pools)
+    floors = _floors(pools, min_rows)
+    candidates = []
+    for target in targets:
+        need_total = int(np.ceil(min(1.0, float(target)) * d.size - 1e-9))
+        rules = []
+        for floor in floors:
+            by_floor = rb < floor
+            need = need_total - int(np.count_nonzero(by_floor))
+            rules.append(ProbeRule(-np.inf if need <= 0 else float(np.sort(d[~by_floor])[need - 1]), floor))
+        candidates.append(rules)
+    unique = list(dict.fromkeys(r for rules in candidates for r in rules))
+    work = dict(zip(unique, probe_work(geometry, pools, unique).tolist()))
+    # the first rule of least work, in floor order (exact integer totals: no rounding decides)
+    return [min(rules, key=lambda r: work[r]) for rules in candidates]
 
 
 def calibrate_probe(geometry: ProbeGeometry, pools, target: float, min_rows: int) -> ProbeRule:
@@ -200,52 +317,32 @@ def calibrate_probe(geometry: ProbeGeometry, pools, target: float, min_rows: int
     misses; the pair of least work ``sum_p sum_a query_weights[a] · probed_rows_p[a]`` wins.
     Every rule has ``min_rows >=`` the given floor.
     """
-    d_parts, rb_parts = [], []
-    for _, sizes, qa, nb in pools:  # one pool's (C, C) cumulative counts live at a time
-        d_parts.append(geometry.dist[qa, nb])
-        rb_parts.append(geometry.rows_before(geometry.cum_rows(sizes), sizes, qa, nb))
-    d = np.concatenate(d_parts) if d_parts else np.zeros(0)
-    rb = np.concatenate(rb_parts) if rb_parts else np.zeros(0, np.int64)
-    need_total = int(np.ceil(min(1.0, float(target)) * d.size - 1e-9))
-    biggest = max([int(np.asarray(s).sum()) for _, s, _, _ in pools] + [int(min_rows), 1])
-    floors, f = [], float(max(1, int(min_rows)))
-    while f < 2 * biggest:
-        floors.append(int(round(f)))
-        f *= 2 ** 0.5
-    rules = []
-    for floor in sorted(set(floors)):
-        by_floor = rb < floor
-        need = need_total - int(np.count_nonzero(by_floor))
-        rules.append(ProbeRule(-np.inf if need <= 0 else float(np.sort(d[~by_floor])[need - 1]), floor))
-    work = [0] * len(rules)  # summed pool by pool, in pool order, for every rule
-    for w, sizes, _, _ in pools:
-        cum = geometry.cum_rows(sizes)
-        weights = np.asarray(w, dtype=np.float64)
-        work = [total + float(np.dot(weights, geometry.probed_rows(cum, rule))) for total, rule in zip(work, rules)]
-    best, best_work = None, None
-    for rule, total in zip(rules, work):
-        if best_work is None or total < best_work:
-            best, best_work = rule, total
-    return best
+    return _least_work_rules(geometry, pools, [target], min_rows)[0]
 
 
 def probe_ladder(geometry: ProbeGeometry, pools, target: float, min_rows: int) -> tuple[ProbeRule, ...]:
     """Rules to try, each probing a superset of the previous: the calibrated rule at ``target``,
     at a quarter of its misses, at every calibration neighbour, then exact (``radius = inf``)."""
+    wants = (float(target), 1.0 - 0.25 * (1.0 - float(target)), 1.0)
     rungs = []
-    for want in (float(target), 1.0 - 0.25 * (1.0 - float(target)), 1.0):
-        rule = calibrate_probe(geometry, pools, want, min_rows)
+    for rule in _least_work_rules(geometry, pools, wants, min_rows):
         rule = rule if not rungs else rungs[-1].widened(rule)
         if not rungs or rule != rungs[-1]:
             rungs.append(rule)
     return tuple(rungs) + (ProbeRule(float("inf"), int(min_rows)),)
 
 
-def probe_chain(dist: np.ndarray) -> np.ndarray:
-    """(C,) int64: every cluster once, each followed by its nearest not-yet-listed cluster (a
-    greedy walk from cluster 0 over :func:`probe_distances`). Consecutive clusters of the chain
-    are close, so a batch of them probes overlapping clusters and a search task reads fewer rows."""
-    c = dist.shape[0]
+def probe_chain(geometry: ProbeGeometry, *, width: int = CHAIN_WIDTH) -> np.ndarray:
+    """(C,) int64: every cluster once, each followed by its nearest not-yet-listed cluster (ties
+    by code; a greedy walk from cluster 0 over the probe distances). Consecutive clusters of the
+    chain are close, so a batch of them probes overlapping clusters and a search task reads fewer
+    rows. Each cluster's ``width`` nearest are listed once (C × width); a cluster whose listed
+    ones are all taken gets its distance row again (:meth:`ProbeGeometry.row`)."""
+    c = geometry.n_clusters
+    width = max(1, min(int(width), c))
+    near = np.empty((c, width), dtype=np.int32)
+    for blk in geometry.blocks():
+        near[blk.start : blk.stop] = blk.order[:, :width]
     left = np.ones(c, dtype=bool)
     out = np.empty(c, dtype=np.int64)
     at = 0
@@ -253,8 +350,8 @@ def probe_chain(dist: np.ndarray) -> np.ndarray:
         out[i] = at
         left[at] = False
         if i + 1 < c:
-            row = np.where(left, dist[at], np.inf)
-            at = int(np.argmin(row))
+            listed = near[at][left[near[at]]]
+            at = int(listed[0]) if listed.size else int(np.argmin(np.where(left, geometry.row(at), np.inf)))
     return out
 
 

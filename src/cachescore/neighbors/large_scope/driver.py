@@ -24,7 +24,6 @@ from ..partition import (
     ProbeGeometry,
     ProbeRule,
     probe_chain,
-    probe_distances,
     probe_ladder,
     probed_clusters,
 )
@@ -265,7 +264,7 @@ class LargeScopeSearch:
         n = part.n
         c = layout.bounds.shape[1] - 1
         with np.load(folder.parent / "partition" / "layout.npz", allow_pickle=False) as z:
-            dist = probe_distances(z["centroids"])  # the probe order and positions live only while calibrating
+            geometry = ProbeGeometry(z["centroids"])  # distances and probe orders a block at a time, never (C, C)
         pools = self._pools(part, kinds)
         layout_f = self.client.scatter(layout, broadcast=True, hash=False)
         tol = distance_tol(np.dtype(layout.dtype), layout.dim)
@@ -274,12 +273,12 @@ class LargeScopeSearch:
         if self.exact:
             ladder, truth, audit = (ProbeRule(float("inf"), floor),), None, None
         else:
-            ladder, truth, audit = self._calibrate(part, layout_f, kinds, k, dist, pools, floor, tol, ref)
+            ladder, truth, audit = self._calibrate(part, layout_f, kinds, k, geometry, pools, floor, tol, ref)
         t_cal = time.perf_counter() - t0
         rounds = 0
         while True:
             rule = ladder[rounds]
-            frac, stats = self._run_search(folder, n, layout_f, kinds, k, dist, layout.sizes, pools, rule)
+            frac, stats = self._run_search(folder, n, layout_f, kinds, k, geometry, layout.sizes, pools, rule)
             if truth is None:
                 recall, n_audit = 1.0, 0
             else:
@@ -335,13 +334,13 @@ class LargeScopeSearch:
             pools[t] = (users, sz)
         return pools
 
-    def _calibrate(self, part: Partition, layout_f, kinds, k, dist, pools, floor, tol, ref: ScopeRef):
+    def _calibrate(self, part: Partition, layout_f, kinds, k, geometry, pools, floor, tol, ref: ScopeRef):
         """Exact answers for the calibration and audit samples (one brute task per chunk, both
         samples in one pass), and the probe rules to try (:func:`probe_ladder`). Returns
         ``(rules, audit truth per kind, audit positions)``. The samples' vectors are read by a
         task and handed to the brute tasks on the cluster; the driver reads only the samples' and
-        their neighbours' codes and clusters. ``dist``: the partition's (C, C) probe distances; the
-        probe geometry (two more (C, C) arrays) exists only while the ladder is computed."""
+        their neighbours' codes and clusters. ``geometry``: the partition's
+        :class:`~cachescore.neighbors.partition.ProbeGeometry` (a block of query clusters at a time)."""
         n = part.n
         rng_a = np.random.default_rng([self.seed, 1])
         rng_c = np.random.default_rng([self.seed, 2])
@@ -387,21 +386,23 @@ class LargeScopeSearch:
         calib_pools = [(w, sz, np.concatenate(found_in[pool][0]), np.concatenate(found_in[pool][1]))
                        for pool, (w, sz) in pools.items()]
         want = min(1.0, self.target + 0.5 * (1.0 - self.target))
-        return probe_ladder(ProbeGeometry(dist), calib_pools, want, floor), truth, audit
+        return probe_ladder(geometry, calib_pools, want, floor), truth, audit
 
-    def _run_search(self, folder, n, layout_f, kinds, k, dist, sizes, pools, rule) -> tuple[float, dict]:
+    def _run_search(self, folder, n, layout_f, kinds, k, geometry, sizes, pools, rule) -> tuple[float, dict]:
         """One search under ``rule`` in every pool; the tasks write the tables (under their
         partial names, renamed by :meth:`_search` once the recall is met). Returns the probe
         fraction (the (query, target) pairs the search computed over those an exact search
         computes) and ``{"search_pairs", "search_task_seconds"}`` (the tasks' wall time, summed)."""
-        plans, pairs = {}, 0
-        for a in probe_chain(dist):
-            if sizes[a] == 0:
-                continue
-            probed = {pool: probed_clusters(dist[a], sz, rule.radius, rule.min_rows)
-                      for pool, (_, sz) in pools.items()}
-            pairs += sum(int(pools[pool][0][a]) * int(pools[pool][1][cl].sum()) for pool, cl in probed.items())
-            plans[int(a)] = {"cross": probed["cross"]} if "cross" in pools else {"cells": probed}
+        by_cluster, pairs = {}, 0
+        for start, stop, dist in geometry.distance_blocks():  # a block of query clusters at a time
+            for a in range(start, stop):
+                if sizes[a] == 0:
+                    continue
+                probed = {pool: probed_clusters(dist[a - start], sz, rule.radius, rule.min_rows)
+                          for pool, (_, sz) in pools.items()}
+                pairs += sum(int(pools[pool][0][a]) * int(pools[pool][1][cl].sum()) for pool, cl in probed.items())
+                by_cluster[a] = {"cross": probed["cross"]} if "cross" in pools else {"cells": probed}
+        plans = {int(a): by_cluster[int(a)] for a in probe_chain(geometry) if int(a) in by_cluster}
         exact_pairs = sum(int(w.sum()) * int(sz.sum()) for w, sz in pools.values())
         batches, cur, cur_rows = [], {}, 0
         for a, plan in plans.items():  # in chain order: a batch's clusters are close together
