@@ -263,9 +263,12 @@ def search_tables(store_path: Path, dim: int, gemm_gflops: float) -> list[dict]:
             row = {k: d.get(k) for k in ("scope", "kinds", "k", "n", "n_clusters", "probe_fraction", "probe_radius",
                                          "probe_min_rows", "recall", "rounds", "seconds_partition",
                                          "seconds_calibration", "seconds_search", "search_pairs",
-                                         "search_task_seconds")}
-            if d.get("search_pairs") and d.get("search_task_seconds"):
-                gf = 2 * dim * d["search_pairs"] / d["search_task_seconds"] / 1e9
+                                         "search_gemm_pairs", "search_task_seconds", "searched_with")}
+            # the pairs the tasks computed: with another table searched in the same pass (ADR-0024)
+            # its task-seconds and GEMM pairs are the pass's, shared by both tables
+            computed = d.get("search_gemm_pairs") or d.get("search_pairs")
+            if computed and d.get("search_task_seconds"):
+                gf = 2 * dim * computed / d["search_task_seconds"] / 1e9
                 row.update(task_gflops=round(gf, 1), share_of_gemm=round(gf / gemm_gflops, 3))
             out.append(row)
     return out
@@ -391,8 +394,10 @@ def print_backend(res: dict) -> None:
               f"probe fraction {_fmt(t['probe_fraction'])}, radius {_fmt(t['probe_radius'])}, "
               f"floor {t['probe_min_rows']} rows, recall {_fmt(t['recall'])}, rounds {t['rounds']}; partition "
               f"{_fmt(t['seconds_partition'], 1)} s, calibration {_fmt(t['seconds_calibration'], 1)} s, search "
-              f"{_fmt(t['seconds_search'], 1)} s; {_fmt(t['search_pairs'])} pairs in "
-              f"{_fmt(t['search_task_seconds'], 1)} task-s = {_fmt(t.get('task_gflops'), 1)} GFLOP/s per task "
+              f"{_fmt(t['seconds_search'], 1)} s; {_fmt(t['search_pairs'])} pairs probed"
+              + (f", searched with {', '.join(t['searched_with'])} in one pass: {_fmt(t.get('search_gemm_pairs'))} "
+                 "pairs computed for both" if t.get("searched_with") else "")
+              + f" in {_fmt(t['search_task_seconds'], 1)} task-s = {_fmt(t.get('task_gflops'), 1)} GFLOP/s per task "
               f"({_fmt(100 * t['share_of_gemm'] if t.get('share_of_gemm') else None, 0)}% of GEMM)")
 
 

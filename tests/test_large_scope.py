@@ -17,6 +17,7 @@ processes test is in ``test_cluster_cli.py``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import threading
@@ -40,7 +41,7 @@ from cachescore.pipeline import batch as batch_mod
 from cachescore.pipeline import large_unit as large_mod
 from cachescore.pipeline import unit as unit_mod
 from cachescore.store import ResultsStore
-from blas_equality import assert_same_search
+from blas_equality import assert_same_distances, assert_same_search
 
 pytestmark = [
     # distributed's client side sometimes leaves an unbound TCP socket (laddr 0.0.0.0:0) to the
@@ -210,6 +211,89 @@ def test_paired_scopes_are_searched_separately(cache_root, client, tmp_path):
         search.cross(None, np.zeros(5, dtype=np.int64), 3, scope=again.subset)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_one_pass_over_cross_and_typed_targets_equals_two(monkeypatch, seed):
+    """:meth:`Targets.search` with the cross-group and typed tables at once (random probe plans,
+    duplicated rows for ties, tiles of 10 x 33 so pairs meet in tiles of every shape) gives each
+    table bit for bit as a search of that table alone, and so does the all-rows form."""
+    from cachescore.neighbors import partition
+    from cachescore.neighbors.large_scope import tasks
+
+    monkeypatch.setattr(tasks, "topk_tiles", functools.partial(partition.topk_tiles, tq=10, tt=33))
+    rng = np.random.default_rng(seed)
+    n, d, n_conf, n_lab, c, nq = 700, 96, 3, 2, 9, 300
+    v = rng.standard_normal((n, d)).astype(np.float32)
+    v[rng.integers(0, n, 100)] = v[rng.integers(0, n, 100)]
+    v /= np.linalg.norm(v, axis=1, keepdims=True)
+    meta = np.stack([rng.permutation(n), rng.integers(0, 40, n), rng.integers(0, n_lab, n),
+                     rng.integers(0, n_conf, n)], 1).astype(np.int64)
+    cl = rng.integers(0, c, n).astype(np.int32)
+    t = tasks.Targets(n_conf, v, meta, cl)
+    qv, q_codes, qcl = v[:nq], (meta[:nq, 1], meta[:nq, 2], meta[:nq, 3]), cl[:nq]
+
+    def tables(widths):
+        return {kind: (np.full((nq, k), -1, np.int64), np.full((nq, k), np.inf)) for kind, k in widths.items()}
+
+    def some(size):
+        return np.sort(rng.choice(c, size, replace=False))
+
+    plans = {a: {"cross": some(rng.integers(1, c + 1)),
+                 "cells": {tc: some(rng.integers(1, c + 1)) for tc in range(n_lab * n_conf) if rng.random() < 0.8}}
+             for a in range(c)}
+    for everything in (False, True):
+        both, cross, typed = tables({"cross": 7, "so": 3, "os": 3}), tables({"cross": 7}), tables({"so": 3, "os": 3})
+        for a in ([None] if everything else range(c)):
+            qs = np.arange(nq) if everything else np.flatnonzero(qcl == a)
+            plan = None if everything else plans[a]
+            for res in (both, cross, typed):
+                t.search(qv, q_codes, qs, res, plan)
+        assert (typed["so"][0] >= 0).sum() > nq  # something was found
+        assert_same_search(both["cross"], cross["cross"], v)  # bit for bit on a shape-invariant BLAS
+        for kind in ("so", "os"):
+            assert_same_search(both[kind], typed[kind], v)
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_expected_tables_are_searched_in_one_pass_with_the_same_results(cache_root, client, tmp_path, exact):
+    """With the job's tables expected, asking for the cross-group table also completes the typed
+    tables of the scope in the same search tasks (ADR-0024), and both equal what two separate
+    searches give, bit for bit, with the same probe rules and recall; an expected table nobody
+    asks for costs time only."""
+    root, _ = cache_root
+    prepared, scopes, _ = scope_rows(root, "all", "all")
+    sc = prepared.scopes[0]
+    opts = dict(exact=exact, recall_target=0.99, n_recall_queries=400, random_state=3)
+    alone = ls.LargeScopeSearch(client, scopes, tmp_path / "alone", **opts)
+    want_cross = alone.cross(None, sc.groups, 25)
+    want_typed = alone.typed(None, sc.labels, sc.confounders, sc.groups, 7)
+    asked = []
+
+    def expected(ref):
+        asked.append(ref.n)
+        return [(("cross",), 25), (("so", "os"), 7), (("cross",), 11)]
+
+    both = ls.LargeScopeSearch(client, scopes, tmp_path / "both", expected=expected, **opts)
+    got_cross = both.cross(None, sc.groups, 25)
+    assert asked == [sc.groups.size]
+    folder = both._folder("s0", ("so", "os"), 7)
+    assert (folder / "done.json").is_file()  # searched with the cross-group table
+    assert not (both._folder("s0", ("cross",), 11) / "done.json").exists()  # one table per kind in a pass
+    got_typed = both.typed(None, sc.labels, sc.confounders, sc.groups, 7)
+    u = np.zeros((1, 32), np.float32)  # the dtype and width the blas_equality helpers need
+    assert_same_search(tuple(map(np.asarray, got_cross)), tuple(map(np.asarray, want_cross)), u)
+    for g, w in zip(got_typed, want_typed):
+        assert_same_distances(np.asarray(g), np.asarray(w), u)
+    (c_alone, t_alone), (c_both, t_both) = alone.details, both.details
+    assert c_both["searched_with"] == ["so/os"] and t_both["searched_with"] == ["cross"]
+    for a, b in ((c_alone, c_both), (t_alone, t_both)):
+        for key in ("recall", "probe_radius", "probe_min_rows", "probe_fraction", "search_pairs", "rounds"):
+            assert a[key] == b[key], key
+    # one pass computes fewer pairs than the two (typed pairs inside the cross-group probe are shared)
+    assert c_both["search_gemm_pairs"] < c_alone["search_gemm_pairs"] + t_alone["search_gemm_pairs"]
+    assert c_both["search_gemm_pairs"] == t_both["search_gemm_pairs"] >= c_alone["search_gemm_pairs"]
+    assert asked == [sc.groups.size]  # the typed call found its tables complete
+
+
 class _SpyClient:
     """A client whose ``submit`` / ``scatter`` record the largest row count of any array they ship."""
 
@@ -269,14 +353,14 @@ def test_large_units_are_driven_from_the_client_and_retried(cache_root, client, 
     threads, calls = {}, {}
     real = large_mod.score_large_unit
 
-    def flaky(unit, cl):
+    def flaky(unit, cl, companions=()):
         threads[unit.label] = threading.current_thread().name
         calls[unit.label] = calls.get(unit.label, 0) + 1
         if unit.encoder == "enc1" and unit.metric == "ri":
             raise OSError("scheduler connection reset")  # never heals
         if unit.encoder == "enc0" and unit.metric == "croma" and calls[unit.label] == 1:
             raise OSError("worker lost")  # heals on the retry
-        return real(unit, cl)
+        return real(unit, cl, companions)
 
     monkeypatch.setattr(large_mod, "score_large_unit", flaky)
     plan = plan_job(job)

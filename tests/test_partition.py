@@ -281,3 +281,29 @@ def test_same_group_pairs_lists_exactly_the_equal_pairs():
     assert set(zip(r.tolist(), c.tolist())) == {(int(a), int(b)) for a, b in want} and r.size == len(want)
     r, c = topk.same_group_pairs(np.array([1, 2]), np.array([3, 4]))
     assert r.size == c.size == 0
+
+
+@pytest.mark.parametrize("d", [16, 768])
+def test_a_pairs_similarity_does_not_depend_on_the_tile_it_is_computed_in(d):
+    """:func:`similarity` pads small products, which this BLAS computes with other kernels (one
+    row, one column, or M·N up to ~1,200: an ulp apart), so every entry equals the same entry of a
+    large product."""
+    from blas_equality import shape_invariant
+    from threadpoolctl import threadpool_limits
+    from cachescore.neighbors.partition import similarity
+
+    rng = np.random.default_rng(d)
+    a = rng.standard_normal((300, d)).astype(np.float32)
+    b = rng.standard_normal((400, d)).astype(np.float32)
+    a /= np.linalg.norm(a, axis=1, keepdims=True)
+    b /= np.linalg.norm(b, axis=1, keepdims=True)
+    with threadpool_limits(limits=1, user_api="blas"):
+        full = similarity(a, b)
+        for (r0, r1), (c0, c1) in [((3, 4), (0, 400)), ((0, 300), (7, 8)), ((5, 7), (9, 11)), ((10, 42), (20, 57)),
+                                   ((0, 2), (0, 300)), ((100, 300), (390, 400))]:
+            got = similarity(a[r0:r1], b[c0:c1])
+            assert got.flags.c_contiguous and got.shape == (r1 - r0, c1 - c0)
+            if shape_invariant():  # else (a BLAS forced onto another kernel) an ulp: blas_equality.py
+                np.testing.assert_array_equal(got, full[r0:r1, c0:c1])
+            else:
+                np.testing.assert_allclose(got, full[r0:r1, c0:c1], rtol=0, atol=4e-7)

@@ -34,7 +34,10 @@ view order); it raises ``ValueError`` for data it cannot score and a plain ``Run
 refusal of the data (both recorded as the unit's data error). ``reduce(params, ctx)`` (optional)
 computes an out-of-core unit with its per-row work on the workers
 (:class:`.large.OutOfCore` in, :class:`.large.LargeResult` out, equal to ``compute`` over the same
-neighbour tables bit for bit; :mod:`.large`); a family without one is computed by ``compute`` in
+neighbour tables bit for bit; :mod:`.large`); ``tables(params, ref)`` (optional, with ``reduce``)
+lists the ``(kinds, k)`` tables ``reduce`` will ask of a scope (a
+:class:`~cachescore.neighbors.large_scope.ScopeRef`), so the engine searches one scope's tables
+of every unit of a job together (a hint: it never changes a value); a family without one is computed by ``compute`` in
 the driving process over the engine's memory-mapped tables, holding its view there. ``record(result)`` returns
 ``(fields, columns)``: the family's own record fields (``support``, ``n_defined``, ``k``, ``tau``,
 ``f0``, ``m``, anything else JSON-safe) and its extra per-unit columns (name -> ``(U,)`` array, in
@@ -97,6 +100,7 @@ class Family:
     units: Callable[[Mapping], list[dict]] | None = None
     compute: Callable | None = None
     reduce: Callable | None = None
+    tables: Callable | None = None
     record: Callable | None = None
     replicates: Callable | None = None
     scope_problem: Callable | None = None
@@ -172,6 +176,19 @@ def _reduce(name: str):
 
     reduce.__name__ = reduce.__qualname__ = name
     return reduce
+
+
+def _tables(name: str):
+    """The tables the out-of-core computation ``name`` of :mod:`.large` asks of a scope
+    (:data:`.large.TABLES`; imported as :func:`_reduce` is)."""
+
+    def tables(params, ref):
+        from .large import TABLES
+
+        return TABLES[name](params, ref)
+
+    tables.__name__ = tables.__qualname__ = f"{name}_tables"
+    return tables
 
 
 def _ri_compute(params, features, manifest, *, confounder_column, design, searcher):
@@ -293,7 +310,7 @@ _BUILTIN = (
            reading="the share of same-label (SO) neighbours among the typed ones, 0–1 (0.5 = no preference, "
                    "1 = biology only)",
            keys={"k_candidates": Key((list,), [5, 11, 21], "RI " + _K_DOC, int_list)},
-           units=lambda s: [{"k_candidates": _k_list(s)}], compute=_ri_compute, reduce=_reduce("ri_reduce"), record=_ratio_record,
+           units=lambda s: [{"k_candidates": _k_list(s)}], compute=_ri_compute, reduce=_reduce("ri_reduce"), tables=_tables("ri_reduce"), record=_ratio_record,
            replicates=_ratio_replicates, scope_problem=_k_problem("ri")),
     Family(name="mari", label="MaRI", kind=NEIGHBOUR, value_range=(0.0, 1.0), neutral=0.5, has_support=True,
            doc="Margin-aware RI: the SO share weighted by exp(-distance / tau).",
@@ -302,7 +319,7 @@ _BUILTIN = (
                  "tau": Key((str, int, float), "auto", "MaRI temperature: 'auto' (median typed distance) or a "
                                                       "number > 0.", tau),
                  "warn_tau": Key((bool,), False, "With a pinned tau, run croma's off-scale check (a warning only).")},
-           units=_mari_units, compute=_mari_compute, reduce=_reduce("mari_reduce"), record=_mari_record,
+           units=_mari_units, compute=_mari_compute, reduce=_reduce("mari_reduce"), tables=_tables("mari_reduce"), record=_mari_record,
            replicates=_ratio_replicates,
            scope_problem=_k_problem("mari")),
     Family(name="croma", label="CRoMa", kind=NEIGHBOUR, unit_param="m", margins=True,
@@ -315,7 +332,7 @@ _BUILTIN = (
                  "start_k": Key((int,), CROMA_START_K, "croma's initial window (recorded; the exact typed search does not "
                                              "need it).", positive_int),
                  "k_growth_factor": Key(NUM, CROMA_K_GROWTH, "croma's window growth factor (recorded, as start_k).", growth)},
-           units=_croma_units, compute=_croma_compute, reduce=_reduce("croma_reduce"), record=_croma_record,
+           units=_croma_units, compute=_croma_compute, reduce=_reduce("croma_reduce"), tables=_tables("croma_reduce"), record=_croma_record,
            replicates=_croma_replicates,
            scope_problem=_croma_problem),
     Family(name="apd", label="APD", kind=PROBE, evaluation_field="apd", replicates=_apd_replicates,

@@ -64,7 +64,7 @@ from .tau import (
 from .windows import ScopeTable, pooled_ratio, ratio_from_log, scope_log_totals, typed_distances, unit_scores
 
 __all__ = ["LEAF_ROWS", "OutOfCore", "LargeResult", "pairwise_leaves", "pairwise_total", "select_ranks",
-           "ri_reduce", "mari_reduce", "croma_reduce", "concat_parquet_task", "REDUCERS"]
+           "ri_reduce", "mari_reduce", "croma_reduce", "concat_parquet_task", "REDUCERS", "TABLES"]
 
 logger = logging.getLogger("cachescore")
 
@@ -821,3 +821,19 @@ def _map_out(ctx: OutOfCore, fn, ref: ScopeRef, outs: list, *args) -> list:
 #: The out-of-core computations by name (what :attr:`cachescore.metrics.families.Family.reduce`
 #: calls, importing this module only when a large unit is scored).
 REDUCERS = {"ri_reduce": ri_reduce, "mari_reduce": mari_reduce, "croma_reduce": croma_reduce}
+
+
+def ratio_tables(params: dict, ref: ScopeRef) -> list:
+    """The table RI and MaRI ask of ``ref``: cross-group at the width of their largest candidate k."""
+    if ref.n <= 1:
+        return []
+    return [(("cross",), _width(ref, max(normalize_k_values(params["k_candidates"]))))]
+
+
+def croma_tables(params: dict, ref: ScopeRef) -> list:
+    """The tables CRoMa asks of ``ref``: SO and OS at ``m``."""
+    return [(("so", "os"), int(params["m"]))] if ref.n >= 2 and int(params["m"]) >= 1 else []
+
+
+#: What each reducer asks of a scope (:attr:`cachescore.metrics.families.Family.tables`).
+TABLES = {"ri_reduce": ratio_tables, "mari_reduce": ratio_tables, "croma_reduce": croma_tables}

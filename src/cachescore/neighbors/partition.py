@@ -355,7 +355,30 @@ def probe_chain(geometry: ProbeGeometry, *, width: int = CHAIN_WIDTH) -> np.ndar
     return out
 
 
-def topk_tiles(qv, q_groups, tv, t_ids, t_groups, k, best_i, best_d, *, rows=None, tq=TILE_Q, tt=TILE_T) -> None:
+#: A GEMM with fewer rows or columns than this is padded with zero rows up to it: this BLAS
+#: computes small products (M·N up to ~1,200, or one row or column) with other kernels, whose
+#: entries differ by an ulp from the same entries of a larger product (tests/blas_equality.py).
+GEMM_MIN_SIDE = 64
+
+
+def similarity(qv: np.ndarray, tv: np.ndarray) -> np.ndarray:
+    """``qv @ tv.T`` ((b, d) by (w, d) rows of one dtype -> (b, w), C-contiguous), each entry the
+    same float whatever ``b`` and ``w`` (both padded to :data:`GEMM_MIN_SIDE` when smaller), so a
+    pair's similarity does not depend on the tile it is computed in."""
+    b, w = qv.shape[0], tv.shape[0]
+    if b >= GEMM_MIN_SIDE and w >= GEMM_MIN_SIDE:
+        return qv @ tv.T
+
+    def padded(x):
+        if x.shape[0] >= GEMM_MIN_SIDE:
+            return x
+        return np.concatenate([x, np.zeros((GEMM_MIN_SIDE - x.shape[0], x.shape[1]), dtype=x.dtype)])
+
+    return np.ascontiguousarray((padded(qv) @ padded(tv).T)[:b, :w])
+
+
+def topk_tiles(qv, q_groups, tv, t_ids, t_groups, k, best_i, best_d, *, rows=None, tq=TILE_Q, tt=TILE_T,
+               share=None) -> None:
     """Merge the exact top-``k`` other-group neighbours of the queries over the targets, in place.
 
     ``qv`` (b, d) and ``tv`` (r, d) normalised rows (one dtype); ``q_groups`` (b,) / ``t_groups``
@@ -368,6 +391,10 @@ def topk_tiles(qv, q_groups, tv, t_ids, t_groups, k, best_i, best_d, *, rows=Non
     the targets: all probed rows (cross-group) or one SO/OS pool cell (typed), so the group rule is
     the only mask. ``rows`` (optional int array) selects the targets among ``tv``'s rows; they are
     gathered one ``tt`` tile at a time, so a selection never copies the whole target set.
+    ``share`` (optional) is called as ``share(sim, s, e, t0, t1)`` with each similarity tile
+    before this merge overwrites it: queries ``s:e`` of ``qv`` by targets ``t0:t1`` of the
+    selection, so another search over a subset of the same pairs reuses the GEMM (it must not
+    write into ``sim``).
     """
     n_t = tv.shape[0] if rows is None else len(rows)
     if qv.shape[0] == 0 or n_t == 0:
@@ -378,4 +405,7 @@ def topk_tiles(qv, q_groups, tv, t_ids, t_groups, k, best_i, best_d, *, rows=Non
         ut, ids, tg = tv[at], t_ids[at], t_groups[at]
         for s in range(0, qv.shape[0], tq):
             e = min(qv.shape[0], s + tq)
-            merge_similarity_tile(best_i[s:e], best_d[s:e], qv[s:e] @ ut.T, q_groups[s:e], tg, ids, k)
+            sim = similarity(qv[s:e], ut)
+            if share is not None:
+                share(sim, s, e, t0, t1)
+            merge_similarity_tile(best_i[s:e], best_d[s:e], sim, q_groups[s:e], tg, ids, k)

@@ -33,7 +33,7 @@ from .logs import quiet_owned_cluster
 from .outcome import DONE, UnitOutcome
 from .plan import Plan, UnitKind
 from .batch import BatchErrors, ScoreBatch, batch_units, run_batch, stored_by_run
-from .large_unit import drive_large_unit
+from .large_unit import drive_large_unit, search_companions
 from .unit import run_probe_task, unit_annotation, unit_scratch
 from .watchdog import Watchdog
 
@@ -60,19 +60,22 @@ def _units_of(work) -> tuple:
     return work.units if isinstance(work, ScoreBatch) else (work,)
 
 
-def _start(work, client, drivers, *, bundles, run_id, retries, tables=None):
+def _start(work, client, drivers, *, bundles, run_id, retries, tables=None, large=()):
     """Start one item of work by its kind (the one dispatch on :class:`~.plan.UnitKind`); returns
     its future (a ``distributed.Future``, or a ``concurrent.futures.Future`` for a driven unit).
     Its tasks carry the annotation of its units (:func:`~.unit.unit_annotation`; a batch's lists
     every unit's fingerprint under ``units``). ``tables``: the job's table settings, for a batch
-    to keep its units' score entries (:func:`~.batch.run_batch`)."""
+    to keep its units' score entries (:func:`~.batch.run_batch`); ``large``: the run's
+    out-of-core units (a driven unit's engine searches its companions' tables with its own,
+    :func:`~.large_unit.search_companions`)."""
     if isinstance(work, ScoreBatch):
         ann = dict(unit_annotation(work.first, run_id), metric=work.metric, units=list(work.fingerprints))
         with dask.annotate(**{ANNOTATION: ann}):
             return client.submit(run_batch, work, run_id, tables, key=_task_key(work, run_id), retries=retries,
                                  pure=False)
     if work.kind is UnitKind.LARGE:
-        return drivers.submit(drive_large_unit, work, client, run_id, retries, tables)
+        return drivers.submit(drive_large_unit, work, client, run_id, retries, tables,
+                              search_companions(work, large))
     with dask.annotate(**{ANNOTATION: unit_annotation(work, run_id)}):
         return client.submit(run_probe_task, work, bundles, run_id, key=_task_key(work, run_id), retries=retries,
                              pure=False, priority=10)
@@ -226,6 +229,7 @@ def execute_plan(plan: Plan, client, *, store=None, retries: int = 2, out: TextI
     store = ResultsStore(plan.job.store) if store is None else store
     ended = {} if ended is None else ended
     pending = list(plan.pending)
+    large = tuple(u for u in pending if u.kind is UnitKind.LARGE)
     tables = {"bootstrap": as_dict(plan.job.metrics.bootstrap), "min_support": float(plan.job.report.min_support)}
     drivers = ThreadPoolExecutor(max_workers=max(1, int(large_unit_drivers)), thread_name_prefix="cachescore-large")
     progress = RunProgress(len(pending), out, verbose=verbose)
@@ -236,7 +240,7 @@ def execute_plan(plan: Plan, client, *, store=None, retries: int = 2, out: TextI
             for work in _work_items(pending):  # tasks first, then drivers
                 interrupts.check()
                 loop.add(_start(work, client, drivers, bundles=plan.job.bundles, run_id=run_id, retries=retries,
-                                tables=tables), _units_of(work))
+                                tables=tables, large=large), _units_of(work))
             while len(ended) < len(loop.units):
                 interrupts.check()
                 loop.next()

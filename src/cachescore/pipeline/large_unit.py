@@ -48,7 +48,8 @@ from .outcome import DONE, UnitOutcome
 from .plan import params_json
 from .unit import record_unit_failure, score_unit, unit_annotation, unit_scratch, write_unit_result
 
-__all__ = ["scope_task", "large_scopes", "score_large_unit", "drive_large_unit", "large_record"]
+__all__ = ["scope_task", "large_scopes", "search_companions", "expected_tables", "score_large_unit", "drive_large_unit",
+           "large_record"]
 
 
 def scope_task(cache_root: str, encoder: str, tileset: str, view: str, confounder_column: str, design: str,
@@ -108,15 +109,43 @@ def large_record(unit, result, *, recall: float = float("nan")) -> dict:
     return record
 
 
-def score_large_unit(unit, client):
+def search_companions(unit, units) -> tuple:
+    """The units of ``units`` (this one excluded) whose searches ``unit``'s engine may run with its
+    own: out of core, the same scratch folder (inputs, design, confounder column, seed) and the
+    same engine settings."""
+    settings = ("engine", "backend", "recall_target", "recall_sample", "seed")
+    mine = unit_scratch(unit), tuple(unit.params.get(k) for k in settings)
+    return tuple(u for u in units if u is not unit and u.kind is unit.kind
+                 and (unit_scratch(u), tuple(u.params.get(k) for k in settings)) == mine)
+
+
+def expected_tables(units):
+    """``expected(ref) -> [(kinds, k)]`` for :class:`~cachescore.neighbors.large_scope.LargeScopeSearch`:
+    the tables the out-of-core computations of ``units`` will ask of a scope
+    (:attr:`~cachescore.metrics.families.Family.tables`; a family without it asks for none here)."""
+
+    def expected(ref) -> list:
+        out = []
+        for u in units:
+            family = families.get(u.metric)
+            if family.tables is not None:
+                out.extend(family.tables(u.params, ref))
+        return out
+
+    return expected
+
+
+def score_large_unit(unit, client, companions: tuple = ()):
     """Score an out-of-core unit: ``(record, per-unit table)`` where the table is a Parquet file's
     path (the family's :attr:`~cachescore.metrics.families.Family.reduce`), or a DataFrame for a
     family without one (registered at run time: it is computed by the metric API in this process,
-    over the engine's memory-mapped tables, and holds the view here). Errors as
-    :func:`~.unit.score_unit`."""
+    over the engine's memory-mapped tables, and holds the view here). ``companions``
+    (:func:`search_companions`): units whose tables the engine searches with this unit's. Errors
+    as :func:`~.unit.score_unit`."""
     scratch = unit_scratch(unit)
     refs, info = large_scopes(unit, client, scratch)
-    searcher = searcher_for(unit.params, client=client, scopes=refs, scratch=scratch)
+    searcher = searcher_for(unit.params, client=client, scopes=refs, scratch=scratch,
+                            expected=expected_tables((unit, *companions)))
     family = families.get(unit.metric)
     if family.reduce is None:
         manifest = Cache(unit.cache_root).read_view(unit.view)
@@ -150,7 +179,8 @@ def _keep_entry(store_root: str, cache_root: str, fingerprint: str, tables: dict
                         min_support=float(tables.get("min_support", 0.5)), view_frame=frame)
 
 
-def drive_large_unit(unit, client, run_id: str | None = None, retries: int = 0, tables: dict | None = None) -> UnitOutcome:
+def drive_large_unit(unit, client, run_id: str | None = None, retries: int = 0, tables: dict | None = None,
+                     companions: tuple = ()) -> UnitOutcome:
     """Score a unit planned out of core from the calling process, normally the client's
     (:func:`~.execute.execute_plan` runs several on threads); every per-row step runs on
     ``client``'s workers (module docstring). Returns the unit's :class:`~.outcome.UnitOutcome`
@@ -159,13 +189,14 @@ def drive_large_unit(unit, client, run_id: str | None = None, retries: int = 0, 
     ``retries`` times (completed scratch artefacts are reused), then recorded as the failure.
     ``tables`` (the job's ``{"bootstrap", "min_support"}``): the stored unit's score entry is
     computed on a worker and kept (best effort: the publication computes what is not kept).
+    ``companions``: as :func:`score_large_unit`.
     """
     store = ResultsStore(unit.store_root)
     t0 = time.perf_counter()
     for attempt in range(retries + 1):
         try:
             with captured_warnings() as caught, dask.annotate(**{ANNOTATION: unit_annotation(unit, run_id)}):
-                record, per_unit = score_large_unit(unit, client)
+                record, per_unit = score_large_unit(unit, client, companions)
             break
         except DATA_ERRORS as exc:
             return record_unit_failure(store, unit, exc, run_id=run_id, started=t0)

@@ -98,6 +98,12 @@ class LargeScopeSearch:
         Probe every cluster (the ``exact`` backend); no sampling, recall 1.
     recall_target, n_recall_queries, random_state, max_rounds
         As :func:`cachescore.neighbors.ann.cross_group_knn_ann_with_recall`.
+    expected : callable, optional
+        ``expected(ref) -> [(kinds, k)]``: the tables the job's units will ask of the scope
+        ``ref`` (:attr:`cachescore.metrics.families.Family.tables`). A search of one of them also
+        searches the others of the same scope that are not complete yet, the cross-group and the
+        typed tables in one pass over the probed rows (ADR-0024). A hint: a table in it that
+        nobody asks for costs time, never a value.
 
     Calls: ``search.cross(u, groups, kmax, scope=name) -> (idx, dist)`` and
     ``search.typed(u, labels, confounders, groups, m, scope=name) -> (so_dist, os_dist)`` honour
@@ -110,8 +116,9 @@ class LargeScopeSearch:
     """
 
     def __init__(self, client, scopes: dict, scratch, *, exact=False, recall_target=0.99, n_recall_queries=1000,
-                 random_state=0, max_rounds=4):
+                 random_state=0, max_rounds=4, expected=None):
         self.client, self.scopes, self.scratch = client, dict(scopes), Path(scratch)
+        self.expected = expected
         self.exact, self.target = bool(exact), float(recall_target)
         self.n_recall_queries, self.seed, self.max_rounds = int(n_recall_queries), int(random_state), int(max_rounds)
         self.details: list[dict] = []
@@ -236,19 +243,42 @@ class LargeScopeSearch:
                                                  "n": n, "clusters": int(c), "step": int(step),
                                                  "seconds": round(time.perf_counter() - t0, 3)})
 
-    def _ensure(self, key, kinds: tuple, k: int) -> Path:
-        """The folder of the scope's complete tables of ``kinds`` at ``k`` (searched if absent);
-        appends the call's details to :attr:`details`."""
+    def _folder(self, key, kinds: tuple, k: int) -> Path:
         name = f"{'-'.join(kinds)}-{k}-{'exact' if self.exact else f'ann{self.target:g}-{self.n_recall_queries}'}"
-        folder = self.scratch / str(key) / name
-        with self._lock(f"{key}-{name}"):
+        return self.scratch / str(key) / name
+
+    def _ensure(self, key, kinds: tuple, k: int) -> Path:
+        """The folder of the scope's complete tables of ``kinds`` at ``k`` (searched if absent,
+        together with the expected tables of the scope not searched yet, :meth:`_companions`);
+        appends the call's details to :attr:`details`."""
+        folder = self._folder(key, kinds, k)
+        with self._lock(f"{key}-search"):  # one search of a scope at a time: it may fill several folders
             if not (folder / "done.json").is_file():
-                self._search(folder, self._partition(key), self._ref(key), kinds, k)
+                self._search(key, [(tuple(kinds), int(k)), *self._companions(key, tuple(kinds), int(k))])
         info = json.loads((folder / "done.json").read_text())
         part = json.loads((self.scratch / str(key) / "partition" / "done.json").read_text())
         self.details.append(dict(info, scope=str(key), kinds=list(kinds), k=k,
                                  seconds_partition=part["seconds"], n_chunks=len(part["files"])))
         return folder
+
+    def _companions(self, key, kinds: tuple, k: int) -> list:
+        """The expected requests ``(kinds, k)`` of the scope to search with ``(kinds, k)``: not
+        complete, no kind twice, and only the pair a search task computes together (the
+        cross-group table with the typed ones)."""
+        if self.expected is None:
+            return []
+        ref, taken, out = self._ref(key), set(kinds), []
+        for other, kk in self.expected(ref):
+            other, kk = tuple(other), int(kk)
+            if set(other) & taken or set(other) not in ({"cross"}, {"so", "os"}):
+                continue
+            if "cross" in other and is_capped(kk, ref.n, ref.max_group):
+                continue  # refused by the call itself (:meth:`_check_cap`)
+            if (self._folder(key, other, kk) / "done.json").is_file():
+                continue
+            taken |= set(other)
+            out.append((other, kk))
+        return out
 
     def _tables(self, key, kinds: tuple, k: int) -> dict:
         if "cross" in kinds:
@@ -257,57 +287,86 @@ class LargeScopeSearch:
         return {f"{kind}_{what}": np.load(folder / f"{kind}_{what}.npy", mmap_mode="r")
                 for kind in kinds for what in ("idx", "dist")}
 
-    def _search(self, folder: Path, part: Partition, ref: ScopeRef, kinds: tuple, k: int) -> None:
-        shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir(parents=True)
+    def _search(self, key, requests: list) -> None:
+        """Search the scope's tables of every ``(kinds, k)`` of ``requests`` (the first is the
+        call's own; the others its companions) and complete their folders. Each request has its
+        own calibration, probe ladder and recall audit; the rounds of the requests still below
+        their target run as one search (:meth:`_run_search`). A companion that misses its target
+        after every round is left incomplete (its own call searches it again and raises)."""
+        part, ref = self._partition(key), self._ref(key)
         layout = part.layout
-        n = part.n
-        c = layout.bounds.shape[1] - 1
-        with np.load(folder.parent / "partition" / "layout.npz", allow_pickle=False) as z:
+        with np.load(self.scratch / str(key) / "partition" / "layout.npz", allow_pickle=False) as z:
             geometry = ProbeGeometry(z["centroids"])  # distances and probe orders a block at a time, never (C, C)
-        pools = self._pools(part, kinds)
         layout_f = self.client.scatter(layout, broadcast=True, hash=False)
         tol = distance_tol(np.dtype(layout.dtype), layout.dim)
-        floor = k + ref.max_group  # >= k other-group candidates per query
         t0 = time.perf_counter()
-        if self.exact:
-            ladder, truth, audit = (ProbeRule(float("inf"), floor),), None, None
-        else:
-            ladder, truth, audit = self._calibrate(part, layout_f, kinds, k, geometry, pools, floor, tol, ref)
-        t_cal = time.perf_counter() - t0
-        rounds = 0
-        while True:
-            rule = ladder[rounds]
-            frac, stats = self._run_search(folder, n, layout_f, kinds, k, geometry, layout.sizes, pools, rule)
-            if truth is None:
-                recall, n_audit = 1.0, 0
+        samples = None if self.exact else self._exact_samples(part, layout_f, {kd: k for kinds, k in requests
+                                                                               for kd in kinds}, ref)
+        t_exact = time.perf_counter() - t0
+        jobs = []
+        for kinds, k in requests:
+            folder = self._folder(key, kinds, k)
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+            pools = self._pools(part, kinds)
+            floor = k + ref.max_group  # >= k other-group candidates per query
+            t0 = time.perf_counter()
+            if samples is None:
+                ladder, truth, audit = (ProbeRule(float("inf"), floor),), None, None
             else:
-                hits = total = 0
-                for kind in kinds:
-                    found = read_rows_at(str(_filling(folder, kind, "dist")), audit, k, np.float64)
-                    h, t = recall_counts(found, truth[kind][1], tol)
-                    hits, total = hits + h, total + t
-                recall, n_audit = (1.0 if total == 0 else hits / total), int(audit.size)
-            if recall >= self.target or rule.exact:
-                break
-            if rounds >= self.max_rounds:
-                raise RecallTargetError.after_rounds(f"large-scope ANN search ({'/'.join(kinds)}, k={k})", recall,
-                                                     self.target, n_audit, rounds,
-                                                     f"n={n}, probe radius {rule.radius:.4g} with at least "
-                                                     f"{rule.min_rows} rows, probe fraction {frac:.4g}")
-            rounds += 1
-        for kind in kinds:
+                ladder, truth, audit = self._calibrate(part, kinds, geometry, pools, floor, ref, *samples)
+            jobs.append(dict(folder=folder, kinds=kinds, k=k, pools=pools, ladder=ladder, truth=truth, audit=audit,
+                             rounds=0, seconds_calibration=t_exact + time.perf_counter() - t0))
+        active = list(jobs)
+        while active:
+            t0 = time.perf_counter()
+            searched = self._run_search(part.n, layout_f, geometry, layout.sizes, active)
+            seconds = time.perf_counter() - t0
+            again = []
+            for job, (frac, stats) in zip(active, searched):
+                rule = job["ladder"][job["rounds"]]
+                recall, n_audit = self._audit(job, tol)
+                if recall >= self.target or rule.exact:
+                    self._complete(job, part.n, layout, rule, recall, n_audit, frac, stats, seconds)
+                elif job["rounds"] < self.max_rounds:
+                    job["rounds"] += 1
+                    job["seconds_search"] = job.get("seconds_search", 0.0) + seconds
+                    again.append(job)
+                elif job is jobs[0]:
+                    raise RecallTargetError.after_rounds(
+                        f"large-scope ANN search ({'/'.join(job['kinds'])}, k={job['k']})", recall, self.target,
+                        n_audit, job["rounds"], f"n={part.n}, probe radius {rule.radius:.4g} with at least "
+                        f"{rule.min_rows} rows, probe fraction {frac:.4g}")
+            active = again
+
+    @staticmethod
+    def _audit(job: dict, tol: float) -> tuple[float, int]:
+        """``(recall, audited queries)`` of a request's tables as its last round left them."""
+        if job["truth"] is None:
+            return 1.0, 0
+        hits = total = 0
+        for kind in job["kinds"]:
+            found = read_rows_at(str(_filling(job["folder"], kind, "dist")), job["audit"], job["k"], np.float64)
+            h, t = recall_counts(found, job["truth"][kind][1], tol)
+            hits, total = hits + h, total + t
+        return (1.0 if total == 0 else hits / total), int(job["audit"].size)
+
+    @staticmethod
+    def _complete(job: dict, n: int, layout: Layout, rule, recall, n_audit, frac, stats, seconds) -> None:
+        """Rename a request's tables to their final names and write its ``done.json`` (last)."""
+        folder = job["folder"]
+        for kind in job["kinds"]:
             for what in ("idx", "dist"):
                 os.replace(_filling(folder, kind, what), folder / f"{kind}_{what}.npy")
-        atomic_write_json(folder / "done.json", {"recall": float(recall), "n_recall_queries": n_audit, "rounds": rounds,
-                                            "probe_fraction": float(frac),
-                                            # null when not finite: -inf (own clusters + floor) or exact
-                                            "probe_radius": float(rule.radius) if math.isfinite(rule.radius) else None,
-                                            "probe_min_rows": int(rule.min_rows),
-                                            "n_clusters": int(c), "exact": bool(rule.exact), "n": int(n),
-                                            **stats,
-                                            "seconds_calibration": round(t_cal, 3),
-                                            "seconds_search": round(time.perf_counter() - t0 - t_cal, 3)})
+        atomic_write_json(folder / "done.json", {"recall": float(recall), "n_recall_queries": n_audit,
+                                                 "rounds": job["rounds"], "probe_fraction": float(frac),
+                                                 # null when not finite: -inf (own clusters + floor) or exact
+                                                 "probe_radius": float(rule.radius) if math.isfinite(rule.radius) else None,
+                                                 "probe_min_rows": int(rule.min_rows),
+                                                 "n_clusters": int(layout.bounds.shape[1] - 1), "exact": bool(rule.exact),
+                                                 "n": int(n), **stats,
+                                                 "seconds_calibration": round(job["seconds_calibration"], 3),
+                                                 "seconds_search": round(job.get("seconds_search", 0.0) + seconds, 3)})
 
     @staticmethod
     def _pools(part: Partition, kinds: tuple) -> dict:
@@ -334,13 +393,13 @@ class LargeScopeSearch:
             pools[t] = (users, sz)
         return pools
 
-    def _calibrate(self, part: Partition, layout_f, kinds, k, geometry, pools, floor, tol, ref: ScopeRef):
-        """Exact answers for the calibration and audit samples (one brute task per chunk, both
-        samples in one pass), and the probe rules to try (:func:`probe_ladder`). Returns
-        ``(rules, audit truth per kind, audit positions)``. The samples' vectors are read by a
-        task and handed to the brute tasks on the cluster; the driver reads only the samples' and
-        their neighbours' codes and clusters. ``geometry``: the partition's
-        :class:`~cachescore.neighbors.partition.ProbeGeometry` (a block of query clusters at a time)."""
+    def _exact_samples(self, part: Partition, layout_f, widths: dict, ref: ScopeRef):
+        """Exact answers of every kind in ``widths`` (kind -> k) for the calibration and audit
+        samples: one brute task per chunk, both samples and every kind in one pass (the kinds
+        share their GEMMs, :meth:`~.tasks.Targets.search`), merged as the tasks finish. Returns
+        ``(calibration positions, audit positions, {kind: (idx, dist)})``, the tables' rows being
+        the calibration sample and then the audit sample. The samples' vectors are read by a
+        task and handed to the brute tasks on the cluster; the driver reads only codes."""
         n = part.n
         rng_a = np.random.default_rng([self.seed, 1])
         rng_c = np.random.default_rng([self.seed, 2])
@@ -350,7 +409,7 @@ class LargeScopeSearch:
         qv_f = self.client.submit(position_task, layout_f, part.step, qpos, pure=False,
                                   key=task_key("calibrate", "queries"))
         q_codes = np.ascontiguousarray(ref.codes_at(qpos)[:, 1:])
-        futures = [self.client.submit(brute_task, layout_f, j, qv_f, q_codes, kinds, k, pure=False,
+        futures = [self.client.submit(brute_task, layout_f, j, qv_f, q_codes, widths, pure=False,
                                       key=task_key("calibrate", f"chunk{j:05d}"))
                    for j in range(len(part.layout.paths))]
         merged = None
@@ -358,13 +417,20 @@ class LargeScopeSearch:
             # so the driver holds one chunk's answers at a time, not one per chunk
             for fut in as_completed(futures, loop=self.client.loop):  # this client's, not a default one
                 found = fut.result()
-                merged = found if merged is None else {kd: merge_tables(merged[kd], found[kd], k) for kd in kinds}
+                merged = found if merged is None else {kd: merge_tables(merged[kd], found[kd], k)
+                                                       for kd, k in widths.items()}
                 fut.release()
                 del found
         except BaseException:
             self.client.cancel(futures)
             raise
-        del qv_f
+        return calib, audit, merged
+
+    def _calibrate(self, part: Partition, kinds, geometry, pools, floor, ref: ScopeRef, calib, audit, merged):
+        """The probe rules to try for ``kinds`` (:func:`probe_ladder`) from the exact answers of
+        :meth:`_exact_samples`. Returns ``(rules, audit truth per kind, audit positions)``.
+        ``geometry``: the partition's :class:`~cachescore.neighbors.partition.ProbeGeometry`
+        (a block of query clusters at a time)."""
         nc = calib.size
         truth = {kd: (merged[kd][0][nc:], merged[kd][1][nc:]) for kd in kinds}
         qa = part.clusters_at(calib)
@@ -388,22 +454,31 @@ class LargeScopeSearch:
         want = min(1.0, self.target + 0.5 * (1.0 - self.target))
         return probe_ladder(geometry, calib_pools, want, floor), truth, audit
 
-    def _run_search(self, folder, n, layout_f, kinds, k, geometry, sizes, pools, rule) -> tuple[float, dict]:
-        """One search under ``rule`` in every pool; the tasks write the tables (under their
-        partial names, renamed by :meth:`_search` once the recall is met). Returns the probe
-        fraction (the (query, target) pairs the search computed over those an exact search
-        computes) and ``{"search_pairs", "search_task_seconds"}`` (the tasks' wall time, summed)."""
-        by_cluster, pairs = {}, 0
+    def _run_search(self, n, layout_f, geometry, sizes, jobs: list) -> list:
+        """One search under each job's current rule (``job["ladder"][job["rounds"]]``) in every
+        pool of the job: one task per batch of query clusters fills every job's tables (under
+        their partial names, renamed by :meth:`_complete` once the recall is met); with a
+        cross-group and a typed job, a typed pair inside the cross-group probe is computed once.
+        Returns per job ``(probe fraction, stats)``: the fraction is the (query, target) pairs its
+        rule probes over those an exact search computes; ``stats`` = ``{"search_pairs",
+        "search_gemm_pairs"`` (the pairs the tasks computed for all jobs together), ``"search_task_seconds"``
+        (the tasks' wall time, summed, for all jobs), ``"searched_with"`` (the other jobs' kinds)``}``."""
+        by_cluster, pairs, gemm_pairs = {}, [0] * len(jobs), 0
+        rules = [job["ladder"][job["rounds"]] for job in jobs]
         for start, stop, dist in geometry.distance_blocks():  # a block of query clusters at a time
             for a in range(start, stop):
                 if sizes[a] == 0:
                     continue
-                probed = {pool: probed_clusters(dist[a - start], sz, rule.radius, rule.min_rows)
-                          for pool, (_, sz) in pools.items()}
-                pairs += sum(int(pools[pool][0][a]) * int(pools[pool][1][cl].sum()) for pool, cl in probed.items())
-                by_cluster[a] = {"cross": probed["cross"]} if "cross" in pools else {"cells": probed}
+                plan = {}
+                for j, (job, rule) in enumerate(zip(jobs, rules)):
+                    pools = job["pools"]
+                    probed = {pool: probed_clusters(dist[a - start], sz, rule.radius, rule.min_rows)
+                              for pool, (_, sz) in pools.items()}
+                    pairs[j] += sum(int(pools[pool][0][a]) * int(pools[pool][1][cl].sum()) for pool, cl in probed.items())
+                    plan.update({"cross": probed["cross"]} if "cross" in pools else {"cells": probed})
+                gemm_pairs += _gemm_pairs(a, plan, jobs)
+                by_cluster[a] = plan
         plans = {int(a): by_cluster[int(a)] for a in probe_chain(geometry) if int(a) in by_cluster}
-        exact_pairs = sum(int(w.sum()) * int(sz.sum()) for w, sz in pools.values())
         batches, cur, cur_rows = [], {}, 0
         for a, plan in plans.items():  # in chain order: a batch's clusters are close together
             if cur and cur_rows + sizes[a] > tunables.BATCH_ROWS:
@@ -413,17 +488,43 @@ class LargeScopeSearch:
             cur_rows += int(sizes[a])
         if cur:
             batches.append(cur)
-        tables = {}
-        for kind in kinds:
-            for what, dt in (("idx", np.int64), ("dist", np.float64)):
-                path = _filling(folder, kind, what)
-                tables[(kind, what)] = (str(path), create_table(path, dt, (n, k)))
-        futures = [self.client.submit(search_task, layout_f, b, kinds, k, tables, pure=False,
+        tables, widths = {}, {}
+        for job in jobs:
+            for kind in job["kinds"]:
+                widths[kind] = job["k"]
+                for what, dt in (("idx", np.int64), ("dist", np.float64)):
+                    path = _filling(job["folder"], kind, what)
+                    tables[(kind, what)] = (str(path), create_table(path, dt, (n, job["k"])))
+        futures = [self.client.submit(search_task, layout_f, b, widths, tables, pure=False,
                                       key=task_key("search", f"batch{i:05d}"))
                    for i, b in enumerate(batches)]
         done = gather_or_cancel(self.client, futures)
         covered = sum(q for q, _ in done)
         if covered != n:
             raise RuntimeError(f"large-scope search covered {covered} of {n} rows")
-        stats = {"search_pairs": int(pairs), "search_task_seconds": round(sum(t for _, t in done), 3)}
-        return (pairs / exact_pairs if exact_pairs else 1.0), stats
+        seconds = round(sum(t for _, t in done), 3)
+        out = []
+        for j, job in enumerate(jobs):
+            exact_pairs = sum(int(w.sum()) * int(sz.sum()) for w, sz in job["pools"].values())
+            stats = {"search_pairs": int(pairs[j]), "search_gemm_pairs": int(gemm_pairs), "search_task_seconds": seconds,
+                     "searched_with": ["/".join(o["kinds"]) for o in jobs if o is not job]}
+            out.append(((pairs[j] / exact_pairs if exact_pairs else 1.0), stats))
+        return out
+
+
+def _gemm_pairs(a: int, plan: dict, jobs: list) -> int:
+    """The (query, target) pairs the search tasks compute for query cluster ``a`` under ``plan``
+    (:meth:`~.tasks.Targets.search`): the cross-group probe's rows for every query, and the
+    typed probe's rows outside it for the queries of each pool."""
+    cross = next((job["pools"]["cross"] for job in jobs if "cross" in job["pools"]), None)
+    typed = next((job["pools"] for job in jobs if "cross" not in job["pools"]), None)
+    total = 0
+    if cross is not None:
+        total += int(cross[0][a]) * int(cross[1][plan["cross"]].sum())
+    if typed is not None:
+        for pool, clusters in plan["cells"].items():
+            users, sz = typed[pool]
+            if cross is not None:
+                clusters = np.setdiff1d(clusters, plan["cross"], assume_unique=True)
+            total += int(users[a]) * int(sz[clusters].sum())
+    return total

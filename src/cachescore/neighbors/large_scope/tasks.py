@@ -19,6 +19,7 @@ from ..partition import (
     spherical_kmeans,
     topk_tiles,
 )
+from ..topk import merge_similarity_tile
 from . import (
     files as tunables,  # the engine's tunables, read at call time (tests patch them)
 )
@@ -102,33 +103,37 @@ def position_task(layout: Layout, step: int, positions: np.ndarray) -> np.ndarra
 
 
 
-def brute_task(layout: Layout, j: int, qv: np.ndarray, q_codes: np.ndarray, kinds: tuple, k: int) -> dict:
-    """Exact top-k of each kind for the sample queries (vectors ``qv``, codes ``q_codes`` (q, 3):
-    group, label, confounder) over chunk ``j`` (all its rows)."""
+def brute_task(layout: Layout, j: int, qv: np.ndarray, q_codes: np.ndarray, widths: dict) -> dict:
+    """Exact top-k of each kind of ``widths`` (kind -> k) for the sample queries (vectors ``qv``,
+    codes ``q_codes`` (q, 3): group, label, confounder) over chunk ``j`` (all its rows); the
+    cross-group and typed kinds share their GEMMs (:meth:`Targets.search`)."""
     with single_thread_blas():
         q = q_codes.shape[0]
-        out = {kind: (np.full((q, k), -1, np.int64), np.full((q, k), np.inf)) for kind in kinds}
-        Targets(layout.n_conf, *layout.read_chunk(j)).search(qv, tuple(q_codes.T), np.arange(q), k, out, None)
+        out = {kind: (np.full((q, k), -1, np.int64), np.full((q, k), np.inf)) for kind, k in widths.items()}
+        Targets(layout.n_conf, *layout.read_chunk(j)).search(qv, tuple(q_codes.T), np.arange(q), out, None)
         return out
 
 
-def search_task(layout: Layout, batch: dict, kinds: tuple, k: int, tables: dict) -> tuple[int, float]:
+def search_task(layout: Layout, batch: dict, widths: dict, tables: dict) -> tuple[int, float]:
     """Search the query clusters of ``batch`` and write their rows of the scope-order tables
     ``tables`` (``{(kind, "idx" | "dist"): (path, data offset)}``, created by the driver; each
     query row is written by exactly one task, so a retried task rewrites the same bytes); returns
     its query count and its wall seconds (the kernel throughput figures are pairs over these).
 
-    ``batch`` maps a query cluster ``a`` to its probe plan: ``{"cross": probed clusters}``, or for
-    the typed kinds ``{"cells": {target cell: probed clusters}}`` (cell code ``label * n_conf +
-    confounder``). Targets are read in pieces of at most :data:`PIECE_ROWS` rows (whole clusters)
-    and searched by :meth:`Targets.search`.
+    ``widths`` maps each kind searched to its table width ``k``: ``{"cross": k}``, ``{"so": m,
+    "os": m}``, or all three (both searches in one, ADR-0024). ``batch`` maps a query cluster
+    ``a`` to its probe plan: ``{"cross": probed clusters}`` and / or, for the typed kinds,
+    ``{"cells": {target cell: probed clusters}}`` (cell code ``label * n_conf + confounder``).
+    Targets are read in pieces of at most :data:`PIECE_ROWS` rows (whole clusters) and searched
+    by :meth:`Targets.search`.
     """
     t0 = time.perf_counter()
     with single_thread_blas():
         q_clusters = sorted(batch)
         qv, qmeta, qcl = layout.read_clusters(q_clusters)
         q_codes = (qmeta[:, 1], qmeta[:, 2], qmeta[:, 3])
-        res = {kind: (np.full((qv.shape[0], k), -1, np.int64), np.full((qv.shape[0], k), np.inf)) for kind in kinds}
+        res = {kind: (np.full((qv.shape[0], k), -1, np.int64), np.full((qv.shape[0], k), np.inf))
+               for kind, k in widths.items()}
         needed = sorted({int(c) for a in q_clusters for c in plan_clusters(batch[a])})
         # targets in pieces of at most tunables.PIECE_ROWS rows (whole clusters)
         sizes = layout.sizes
@@ -146,9 +151,9 @@ def search_task(layout: Layout, batch: dict, kinds: tuple, k: int, tables: dict)
         for piece in pieces:
             target = Targets(layout.n_conf, *layout.read_clusters(piece))
             for a in q_clusters:
-                target.search(qv, q_codes, np.flatnonzero(qcl == a), k, res, batch[a])
+                target.search(qv, q_codes, np.flatnonzero(qcl == a), res, batch[a])
             del target
-        for kind in kinds:
+        for kind in widths:
             for what, arr in zip(("idx", "dist"), res[kind]):
                 path, offset = tables[(kind, what)]
                 write_rows(path, offset, qmeta[:, 0], arr)
@@ -163,7 +168,9 @@ class Targets:
     tile at a time (:func:`~cachescore.neighbors.partition.topk_tiles` ``rows=``). The typed search
     runs per target cell, separately for the queries it serves as SO pool (same label, other
     confounder) and as OS pool (other label, same confounder): each pair is computed once, and
-    only the group rule remains to be masked.
+    only the group rule remains to be masked. When the cross-group table is searched in the same
+    call, the typed pairs inside its probed rows are merged from its similarity tiles
+    (:class:`_TypedShare`); only the typed pairs outside them get GEMMs of their own.
     """
 
     def __init__(self, n_conf: int, tv: np.ndarray, meta: np.ndarray, cluster: np.ndarray):
@@ -171,6 +178,7 @@ class Targets:
         cell = meta[:, 2] * n_conf + meta[:, 3]
         self.order = np.lexsort((cluster, cell))
         self.tpos, self.t_groups = meta[:, 0], meta[:, 1]
+        self.row_cell, self.row_cluster = cell, cluster  # by row number
         self.cluster = cluster[self.order]  # by position in ``order``
         cell = cell[self.order]
         cells = np.unique(cell)
@@ -183,47 +191,112 @@ class Targets:
             return self.order[lo:hi]
         return self.order[lo:hi][np.isin(self.cluster[lo:hi], clusters)]
 
-    def search(self, qv, q_codes, qsel, k, res: dict, plan: dict | None) -> None:
+    def search(self, qv, q_codes, qsel, res: dict, plan: dict | None) -> None:
         """Merge the top-k of queries ``qsel`` over this piece into ``res`` (kind -> (idx, dist)
-        of all queries), probing what ``plan`` allows (see :func:`search_task`; None = all).
-        ``q_codes`` = (groups, labels, confounders) of all queries."""
-        if "cross" in res:
-            clusters = None if plan is None else plan["cross"]
-            self._run(qv, q_codes, (qsel,), self.select(0, self.tpos.size, clusters), k, (res["cross"],))
+        of all queries; each table's width is its ``k``), probing what ``plan`` allows (see
+        :func:`search_task`; None = all). ``q_codes`` = (groups, labels, confounders) of all
+        queries. With ``"cross"`` and the typed kinds in ``res``, a typed pair inside the
+        cross-group probe is computed once for both; the tables equal two separate calls'."""
+        pools = self._typed_pools(q_codes, qsel, plan) if "so" in res else []
+        if "cross" not in res:
+            for _, tsel, sets in pools:
+                self._run(qv, q_codes, sets, tsel, (res["so"], res["os"]))
             return
+        cross = None if plan is None else plan["cross"]
+        tsel = self.select(0, self.tpos.size, cross)
+        share = _TypedShare(self, qsel, tsel, res, q_codes[0]) if pools else None
+        for tc, cell_rows, sets in pools:
+            inside = np.ones(cell_rows.size, bool) if cross is None else np.isin(self.row_cluster[cell_rows], cross)
+            if not inside.all():  # typed pairs outside the cross-group probe: GEMMs of their own
+                self._run(qv, q_codes, sets, cell_rows[~inside], (res["so"], res["os"]))
+            if inside.any():
+                share.add(tc, cell_rows[inside], sets)
+        self._run(qv, q_codes, (qsel,), tsel, (res["cross"],), share=share)
+
+    def _typed_pools(self, q_codes, qsel, plan) -> list:
+        """``[(cell, its probed row numbers, (SO queries, OS queries))]`` for each target cell of
+        this piece that the plan probes and some query of ``qsel`` searches (query sets as
+        indices of all queries; disjoint)."""
         ql, qc = q_codes[1][qsel], q_codes[2][qsel]
+        out = []
         for tc, (lo, hi) in self.span.items():
             if plan is not None and tc not in plan["cells"]:
                 continue
-            tsel = self.select(lo, hi, None if plan is None else plan["cells"][tc])
             tl, tcf = divmod(tc, self.n_conf)
-            # the cell is the SO pool of one query set and the OS pool of another (disjoint):
-            # both searched by one kernel call, their running tables side by side
-            self._run(qv, q_codes, (qsel[(ql == tl) & (qc != tcf)], qsel[(ql != tl) & (qc == tcf)]), tsel, k,
-                      (res["so"], res["os"]))
+            # the cell is the SO pool of one query set and the OS pool of another
+            sets = (qsel[(ql == tl) & (qc != tcf)], qsel[(ql != tl) & (qc == tcf)])
+            if sets[0].size or sets[1].size:
+                out.append((tc, self.select(lo, hi, None if plan is None else plan["cells"][tc]), sets))
+        return out
 
-    def _run(self, qv, q_codes, sets, tsel, k, tables) -> None:
+    def _run(self, qv, q_codes, sets, tsel, tables, share=None) -> None:
         """Search targets ``tsel`` for disjoint query row sets ``sets`` (a tuple of index arrays)
         in one kernel call, merging each set into its table of ``tables`` ((idx, dist) of all
-        queries, one per set)."""
+        queries, one per set, of one width). ``share``: the kernel's (a single set)."""
         rows = np.concatenate(sets)
         if rows.size == 0 or tsel.size == 0:
             return
         sub_i = np.concatenate([bi[q] for q, (bi, _) in zip(sets, tables)])
         sub_d = np.concatenate([bd[q] for q, (_, bd) in zip(sets, tables)])
         # the targets are each query set's pool (one cell, or the probed scope): only groups mask
-        topk_tiles(qv[rows], q_codes[0][rows], self.tv, self.tpos, self.t_groups, k, sub_i, sub_d, rows=tsel)
+        topk_tiles(qv[rows], q_codes[0][rows], self.tv, self.tpos, self.t_groups, sub_i.shape[1], sub_i, sub_d,
+                   rows=tsel, share=share)
         at = 0
         for q, (bi, bd) in zip(sets, tables):
             bi[q], bd[q] = sub_i[at : at + q.size], sub_d[at : at + q.size]
             at += q.size
 
 
+class _TypedShare:
+    """Typed merges from a cross-group search's similarity tiles (the ``share`` of
+    :func:`~cachescore.neighbors.partition.topk_tiles`, whose queries are ``qsel`` and targets
+    the cross selection ``tsel``). Per target cell added: which of ``tsel``'s columns the typed
+    plan probes there (a run of ``tsel``, which is ordered by cell) and the positions in
+    ``qsel`` of its SO and OS queries. A pair meets the same float as in a typed search of its
+    own and a top-k merge does not depend on how the pairs are tiled, so the typed tables are
+    the ones a separate search gives. ``qsel`` is ascending (a query cluster's rows)."""
+
+    def __init__(self, targets: Targets, qsel, tsel, res: dict, q_groups):
+        self.t, self.qsel, self.tsel, self.q_groups = targets, qsel, tsel, q_groups
+        self.so, self.os = res["so"], res["os"]
+        self.k = self.so[0].shape[1]
+        self.col_cell = targets.row_cell[tsel]  # ascending: ``order`` runs by (cell, cluster)
+        self.runs = []  # (first column, last column + 1, probed mask or None, SO positions, OS positions)
+
+    def add(self, cell: int, rows, sets) -> None:
+        """Target ``cell``'s probed ``rows`` (row numbers, all inside ``tsel``) for the query sets
+        ``sets`` (SO, OS: indices of all queries, inside ``qsel``)."""
+        lo = int(np.searchsorted(self.col_cell, cell))
+        hi = int(np.searchsorted(self.col_cell, cell, side="right"))
+        probed = np.isin(self.tsel[lo:hi], rows)
+        pos = (np.searchsorted(self.qsel, q) for q in sets)  # both ascending
+        self.runs.append((lo, hi, None if probed.all() else probed, *pos))
+
+    def __call__(self, sim, s, e, t0, t1) -> None:
+        for lo, hi, probed, so_pos, os_pos in self.runs:
+            a, b = max(lo, t0), min(hi, t1)
+            if a >= b:
+                continue
+            cols = np.arange(a - t0, b - t0) if probed is None else np.flatnonzero(probed[a - lo:b - lo]) + (a - t0)
+            if cols.size == 0:
+                continue
+            parts = [p[np.searchsorted(p, s):np.searchsorted(p, e)] for p in (so_pos, os_pos)]
+            local = np.concatenate(parts)
+            if local.size == 0:
+                continue
+            q = self.qsel[local]  # indices of all queries
+            sub_i = np.concatenate([self.so[0][self.qsel[parts[0]]], self.os[0][self.qsel[parts[1]]]])
+            sub_d = np.concatenate([self.so[1][self.qsel[parts[0]]], self.os[1][self.qsel[parts[1]]]])
+            t_rows = self.tsel[t0 + cols]
+            merge_similarity_tile(sub_i, sub_d, sim[np.ix_(local - s, cols)], self.q_groups[q],
+                                  self.t.t_groups[t_rows], self.t.tpos[t_rows], self.k)
+            n_so = parts[0].size
+            self.so[0][q[:n_so]], self.so[1][q[:n_so]] = sub_i[:n_so], sub_d[:n_so]
+            self.os[0][q[n_so:]], self.os[1][q[n_so:]] = sub_i[n_so:], sub_d[n_so:]
+
+
 def plan_clusters(plan: dict):
-    if "cross" in plan:
-        yield from plan["cross"]
-    else:
-        for clus in plan["cells"].values():
-            yield from clus
-
-
+    """Every cluster a query cluster's probe plan names (cross-group and typed; repeats possible)."""
+    yield from plan.get("cross", ())
+    for clus in plan.get("cells", {}).values():
+        yield from clus
