@@ -470,6 +470,8 @@ def test_pipeline_large_ann_units_record_recall(cache_root, client, tmp_path):
         search = json.loads(r.extra)["neighbour_search"]
         assert len(search) == 1, search  # one table per unit of this one-scope view, listed once
         assert all(d["probe_fraction"] < 1 for d in search), search  # it pruned
+        # the encoder's cross-group and typed tables were searched in one pass (ADR-0024)
+        assert search[0]["searched_with"] == (["so/os"] if u.metric in ("ri", "mari") else ["cross"]), search
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             exact, _ = unit_mod.score_unit(_local(dataclasses.replace(u, params=dict(u.params, backend="exact"))),

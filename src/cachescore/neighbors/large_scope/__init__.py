@@ -20,7 +20,7 @@ the API may pass :class:`ScopeRows` (arrays), which the engine writes to scratch
    the calibration sample picks the *probe rule* of least work whose recall reaches the target
    plus half the margin (:func:`~cachescore.neighbors.partition.calibrate_probe`, ADR-0013): from
    query cluster ``a`` a search probes every cluster whose centroid is within the *probe radius*
-   of ``a``'s (:func:`~cachescore.neighbors.partition.probe_distances`), nearest first, grown to
+   of ``a``'s (:class:`~cachescore.neighbors.partition.ProbeGeometry`), nearest first, grown to
    a floor of rows (at least ``k`` + the largest group, so every query has ``k`` other-group
    candidates); each true neighbour's cluster tells from which radius or floor on it is found.
    A radius, unlike a fixed share of the rows, probes few rows from a small tight region and
@@ -33,7 +33,10 @@ the API may pass :class:`ScopeRows` (arrays), which the engine writes to scratch
    (:func:`~cachescore.neighbors.partition.topk_tiles`) and writes its query rows into the
    scope-order ``(n, k)`` tables in place (positional writes; the driver only creates the files).
    The metrics read the tables as files on the workers (:meth:`LargeScopeSearch.table_files`,
-   :mod:`cachescore.metrics.large`) or, through the API calls, memory-mapped.
+   :mod:`cachescore.metrics.large`) or, through the API calls, memory-mapped. With the job's
+   tables expected (``expected=``), a scope's cross-group and typed tables are searched in one
+   pass: one calibration pass and one set of search tasks, a typed pair inside the cross-group
+   probe computed once for both (ADR-0024); each table keeps its own rules and recall.
 4. **Recall**: measured on the audit sample against its exact answers (tie-robust, like
    :mod:`cachescore.neighbors.ann`). Below the target, the rule widens to the next rung of
    :func:`~cachescore.neighbors.partition.probe_ladder` (each a superset of the last) and the
@@ -48,7 +51,8 @@ memory does not grow with the scope). Memory of the driver: no per-row state: O(
 Scratch: ``<store scratch>/large/<key>/<scope>/`` (the store's scratch folder is given by the caller,
 :func:`cachescore.store.scratch_path`) where ``key`` fingerprints the unit's inputs, design,
 confounder column, seed and code version (:func:`scratch_dir`), so concurrent units of one scope (RI and MaRI share a table)
-coordinate through a ``distributed.Lock`` per artefact and reuse what is complete (``done.json``
+coordinate through a ``distributed.Lock`` per artefact (the partition; all searches of a scope)
+and reuse what is complete (``done.json``
 written last; parts and tables written under temporary names and renamed). A run that is killed
 resumes from the completed artefacts; :func:`remove_scratch` deletes a run's folders at its end.
 """

@@ -463,31 +463,7 @@ class LargeScopeSearch:
         rule probes over those an exact search computes; ``stats`` = ``{"search_pairs",
         "search_gemm_pairs"`` (the pairs the tasks computed for all jobs together), ``"search_task_seconds"``
         (the tasks' wall time, summed, for all jobs), ``"searched_with"`` (the other jobs' kinds)``}``."""
-        by_cluster, pairs, gemm_pairs = {}, [0] * len(jobs), 0
-        rules = [job["ladder"][job["rounds"]] for job in jobs]
-        for start, stop, dist in geometry.distance_blocks():  # a block of query clusters at a time
-            for a in range(start, stop):
-                if sizes[a] == 0:
-                    continue
-                plan = {}
-                for j, (job, rule) in enumerate(zip(jobs, rules)):
-                    pools = job["pools"]
-                    probed = {pool: probed_clusters(dist[a - start], sz, rule.radius, rule.min_rows)
-                              for pool, (_, sz) in pools.items()}
-                    pairs[j] += sum(int(pools[pool][0][a]) * int(pools[pool][1][cl].sum()) for pool, cl in probed.items())
-                    plan.update({"cross": probed["cross"]} if "cross" in pools else {"cells": probed})
-                gemm_pairs += _gemm_pairs(a, plan, jobs)
-                by_cluster[a] = plan
-        plans = {int(a): by_cluster[int(a)] for a in probe_chain(geometry) if int(a) in by_cluster}
-        batches, cur, cur_rows = [], {}, 0
-        for a, plan in plans.items():  # in chain order: a batch's clusters are close together
-            if cur and cur_rows + sizes[a] > tunables.BATCH_ROWS:
-                batches.append(cur)
-                cur, cur_rows = {}, 0
-            cur[a] = plan
-            cur_rows += int(sizes[a])
-        if cur:
-            batches.append(cur)
+        plans, pairs, gemm_pairs = _probe_plans(geometry, sizes, jobs)
         tables, widths = {}, {}
         for job in jobs:
             for kind in job["kinds"]:
@@ -497,7 +473,7 @@ class LargeScopeSearch:
                     tables[(kind, what)] = (str(path), create_table(path, dt, (n, job["k"])))
         futures = [self.client.submit(search_task, layout_f, b, widths, tables, pure=False,
                                       key=task_key("search", f"batch{i:05d}"))
-                   for i, b in enumerate(batches)]
+                   for i, b in enumerate(_batches(plans, sizes))]
         done = gather_or_cancel(self.client, futures)
         covered = sum(q for q, _ in done)
         if covered != n:
@@ -510,6 +486,43 @@ class LargeScopeSearch:
                      "searched_with": ["/".join(o["kinds"]) for o in jobs if o is not job]}
             out.append(((pairs[j] / exact_pairs if exact_pairs else 1.0), stats))
         return out
+
+
+def _probe_plans(geometry, sizes, jobs: list) -> tuple[dict, list, int]:
+    """Every non-empty query cluster's probe plan under the jobs' current rules, in chain order
+    (:func:`probe_chain`): ``({cluster: {"cross": clusters} and / or {"cells": {cell: clusters}}},
+    pairs probed per job, pairs the tasks compute for all jobs)``."""
+    by_cluster, pairs, gemm_pairs = {}, [0] * len(jobs), 0
+    rules = [job["ladder"][job["rounds"]] for job in jobs]
+    for start, stop, dist in geometry.distance_blocks():  # a block of query clusters at a time
+        for a in range(start, stop):
+            if sizes[a] == 0:
+                continue
+            plan = {}
+            for j, (job, rule) in enumerate(zip(jobs, rules)):
+                pools = job["pools"]
+                probed = {pool: probed_clusters(dist[a - start], sz, rule.radius, rule.min_rows)
+                          for pool, (_, sz) in pools.items()}
+                pairs[j] += sum(int(pools[pool][0][a]) * int(pools[pool][1][cl].sum()) for pool, cl in probed.items())
+                plan.update({"cross": probed["cross"]} if "cross" in pools else {"cells": probed})
+            gemm_pairs += _gemm_pairs(a, plan, jobs)
+            by_cluster[a] = plan
+    return {int(a): by_cluster[int(a)] for a in probe_chain(geometry) if int(a) in by_cluster}, pairs, gemm_pairs
+
+
+def _batches(plans: dict, sizes) -> list[dict]:
+    """Consecutive plans (chain order: a batch's clusters are close together) in batches of at
+    most ``BATCH_ROWS`` query rows (a larger cluster alone)."""
+    batches, cur, cur_rows = [], {}, 0
+    for a, plan in plans.items():
+        if cur and cur_rows + sizes[a] > tunables.BATCH_ROWS:
+            batches.append(cur)
+            cur, cur_rows = {}, 0
+        cur[a] = plan
+        cur_rows += int(sizes[a])
+    if cur:
+        batches.append(cur)
+    return batches
 
 
 def _gemm_pairs(a: int, plan: dict, jobs: list) -> int:

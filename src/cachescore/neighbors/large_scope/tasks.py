@@ -135,20 +135,7 @@ def search_task(layout: Layout, batch: dict, widths: dict, tables: dict) -> tupl
         res = {kind: (np.full((qv.shape[0], k), -1, np.int64), np.full((qv.shape[0], k), np.inf))
                for kind, k in widths.items()}
         needed = sorted({int(c) for a in q_clusters for c in plan_clusters(batch[a])})
-        # targets in pieces of at most tunables.PIECE_ROWS rows (whole clusters)
-        sizes = layout.sizes
-        piece: list[int] = []
-        rows_in_piece = 0
-        pieces = []
-        for c in needed:
-            if piece and rows_in_piece + sizes[c] > tunables.PIECE_ROWS:
-                pieces.append(piece)
-                piece, rows_in_piece = [], 0
-            piece.append(c)
-            rows_in_piece += int(sizes[c])
-        if piece:
-            pieces.append(piece)
-        for piece in pieces:
+        for piece in _pieces(needed, layout.sizes):
             target = Targets(layout.n_conf, *layout.read_clusters(piece))
             for a in q_clusters:
                 target.search(qv, q_codes, np.flatnonzero(qcl == a), res, batch[a])
@@ -158,6 +145,21 @@ def search_task(layout: Layout, batch: dict, widths: dict, tables: dict) -> tupl
                 path, offset = tables[(kind, what)]
                 write_rows(path, offset, qmeta[:, 0], arr)
         return int(qv.shape[0]), time.perf_counter() - t0
+
+
+def _pieces(clusters: list, sizes) -> list[list]:
+    """``clusters`` in consecutive pieces of at most :data:`PIECE_ROWS` rows (whole clusters; a
+    larger cluster alone)."""
+    pieces, piece, rows = [], [], 0
+    for c in clusters:
+        if piece and rows + sizes[c] > tunables.PIECE_ROWS:
+            pieces.append(piece)
+            piece, rows = [], 0
+        piece.append(c)
+        rows += int(sizes[c])
+    if piece:
+        pieces.append(piece)
+    return pieces
 
 
 class Targets:
