@@ -182,16 +182,20 @@ def test_kmeans_is_deterministic_and_assignment_is_nearest_centroid():
         spherical_kmeans(x, 0)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_topk_tiles_equals_brute_force(dtype):
+@pytest.mark.parametrize("dtype, k, tt, n_t, n_groups", [(np.float32, 7, 33, 301, 9), (np.float64, 7, 33, 301, 9),
+                                                       (np.float32, 7, 1000, 3001, 9), (np.float32, 21, 3001, 3001, 3),
+                                                       (np.float64, 1, 2999, 3001, 40), (np.float32, 5, 3001, 3001, 2)])
+def test_topk_tiles_equals_brute_force(dtype, k, tt, n_t, n_groups):
+    """Small and wide tiles (a wide one bounds its rows without k entries by column-block maxima,
+    some of whose blocks hold only same-group entries): the brute-force top-k, ties included."""
     rng = np.random.default_rng(1)
     # small dyadic entries: every dot product is exact in any summation order (so tile shapes
     # cannot move a bit), and many distances tie, so the (distance, index) order is exercised
     q = (rng.integers(-2, 3, (37, 6)) / 8).astype(dtype)
-    t = (rng.integers(-2, 3, (301, 6)) / 8).astype(dtype)
-    qg, tg = rng.integers(0, 9, 37), rng.integers(0, 9, 301)
-    ids = rng.permutation(5000)[:301].astype(np.int64)
-    k = 7
+    t = (rng.integers(-2, 3, (n_t, 6)) / 8).astype(dtype)
+    qg, tg = rng.integers(0, n_groups, 37), rng.integers(0, n_groups, n_t)
+    tg[:400] = np.sort(tg[:400])  # long runs of one group: whole column blocks masked for its queries
+    ids = rng.permutation(5 * n_t)[:n_t].astype(np.int64)
     d = cosine_distance_block(q, t).astype(np.float64)
     d[qg[:, None] == tg[None, :]] = np.inf
     want_i = np.full((37, k), -1)
@@ -202,15 +206,15 @@ def test_topk_tiles_equals_brute_force(dtype):
         want_i[r, : ok.sum()] = ids[order][ok]
         want_d[r, : ok.sum()] = d[r, order][ok]
     got_i, got_d = np.full((37, k), -1), np.full((37, k), np.inf)
-    for lo, hi in ((0, 120), (120, 121), (121, 301)):  # targets in pieces, small tiles
-        topk_tiles(q, qg, t[lo:hi], ids[lo:hi], tg[lo:hi], k, got_i, got_d, tq=10, tt=33)
+    for lo, hi in ((0, 120), (120, 121), (121, n_t)):  # targets in pieces
+        topk_tiles(q, qg, t[lo:hi], ids[lo:hi], tg[lo:hi], k, got_i, got_d, tq=10, tt=tt)
     np.testing.assert_array_equal(got_i, want_i)
     np.testing.assert_array_equal(got_d, want_d)
     # the same targets selected by row numbers (shuffled, in two selections), gathered per tile
-    perm = rng.permutation(301)
+    perm = rng.permutation(n_t)
     sel_i, sel_d = np.full((37, k), -1), np.full((37, k), np.inf)
     for rows in (perm[:150], perm[150:]):
-        topk_tiles(q, qg, t, ids, tg, k, sel_i, sel_d, rows=rows, tq=10, tt=33)
+        topk_tiles(q, qg, t, ids, tg, k, sel_i, sel_d, rows=rows, tq=10, tt=tt)
     np.testing.assert_array_equal(sel_i, want_i)
     np.testing.assert_array_equal(sel_d, want_d)
 

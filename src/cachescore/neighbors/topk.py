@@ -136,8 +136,10 @@ def merge_similarity_tile(bi, bd, sim, q_groups, t_groups, tids, k, *, margin=No
     k-th (ties kept): ``1 - thr - margin`` (``margin`` 1e-6 for float32, 4e-15 for float64 covers
     the subtraction's rounding), ``-inf`` where the row holds fewer than k entries. Such rows
     first get a bound from this tile: its same-group entries set to ``-inf`` (found by
-    :func:`same_group_pairs`, no dense comparison), the k-th largest similarity gives a distance no
-    valid k-th can exceed.
+    :func:`same_group_pairs`, no dense comparison), the k-th largest of the maxima of
+    :data:`BOUND_BLOCKS` column blocks (k distinct entries at least that similar: a distance no
+    valid k-th can exceed; one pass over the tile instead of a selection per row, and nearly as
+    tight as the row's own k-th).
     """
     b, w = sim.shape
     if b == 0 or w == 0:
@@ -150,7 +152,7 @@ def merge_similarity_tile(bi, bd, sim, q_groups, t_groups, tids, k, *, margin=No
     open_rows = np.flatnonzero(~np.isfinite(thr))
     if open_rows.size and w >= k:
         sub = sim if open_rows.size == b else sim[open_rows]
-        s_k = np.partition(sub, w - k, axis=1)[:, w - k]
+        s_k = _kth_block_max(sub, k)
         thr[open_rows] = np.where(np.isfinite(s_k), np.clip(np.subtract(1, s_k), 0, 2), np.inf)
 
     def bound(t):
@@ -176,6 +178,22 @@ def merge_similarity_tile(bi, bd, sim, q_groups, t_groups, tids, k, *, margin=No
         return
     flat, r, d = flat[keep], r[keep], d[keep]
     _merge_candidates(bi, bd, d, r, tids[flat - r * w], k)
+
+
+#: Column blocks per row whose maxima bound a row without k entries (:func:`merge_similarity_tile`).
+BOUND_BLOCKS = 128
+
+
+def _kth_block_max(sim: np.ndarray, k: int) -> np.ndarray:
+    """Per row of ``sim`` (b, w), w >= k: the k-th largest of the maxima of ``max(k, BOUND_BLOCKS)``
+    consecutive column blocks, a lower bound of the row's k-th largest entry (each of those
+    maxima is a different entry); the k-th largest itself when the blocks are single columns."""
+    w = sim.shape[1]
+    size = w // max(k, BOUND_BLOCKS)
+    if size <= 1:
+        return np.partition(sim, w - k, axis=1)[:, w - k]
+    maxima = np.maximum.reduceat(sim, np.arange(0, w, size), axis=1)
+    return np.partition(maxima, maxima.shape[1] - k, axis=1)[:, maxima.shape[1] - k]
 
 
 def merge_keys(bi, bd, new_d, new_r, new_i, k, ib):
