@@ -471,9 +471,13 @@ class LargeScopeSearch:
                 for what, dt in (("idx", np.int64), ("dist", np.float64)):
                     path = _filling(job["folder"], kind, what)
                     tables[(kind, what)] = (str(path), create_table(path, dt, (n, job["k"])))
-        futures = [self.client.submit(search_task, layout_f, b, widths, tables, pure=False,
+        batches = _batches(plans, sizes)
+        work = [sum(gemm_pairs[a] for a in b) for b in batches]
+        # the most work first (dask runs higher priorities first): the last wave is short tasks
+        rank = np.argsort(np.argsort(work, kind="stable"), kind="stable")
+        futures = [self.client.submit(search_task, layout_f, b, widths, tables, pure=False, priority=int(rank[i]),
                                       key=task_key("search", f"batch{i:05d}"))
-                   for i, b in enumerate(_batches(plans, sizes))]
+                   for i, b in enumerate(batches)]
         done = gather_or_cancel(self.client, futures)
         covered = sum(q for q, _ in done)
         if covered != n:
@@ -482,17 +486,18 @@ class LargeScopeSearch:
         out = []
         for j, job in enumerate(jobs):
             exact_pairs = sum(int(w.sum()) * int(sz.sum()) for w, sz in job["pools"].values())
-            stats = {"search_pairs": int(pairs[j]), "search_gemm_pairs": int(gemm_pairs), "search_task_seconds": seconds,
+            stats = {"search_pairs": int(pairs[j]), "search_gemm_pairs": int(sum(gemm_pairs.values())),
+                     "search_task_seconds": seconds,
                      "searched_with": ["/".join(o["kinds"]) for o in jobs if o is not job]}
             out.append(((pairs[j] / exact_pairs if exact_pairs else 1.0), stats))
         return out
 
 
-def _probe_plans(geometry, sizes, jobs: list) -> tuple[dict, list, int]:
+def _probe_plans(geometry, sizes, jobs: list) -> tuple[dict, list, dict]:
     """Every non-empty query cluster's probe plan under the jobs' current rules, in chain order
     (:func:`probe_chain`): ``({cluster: {"cross": clusters} and / or {"cells": {cell: clusters}}},
-    pairs probed per job, pairs the tasks compute for all jobs)``."""
-    by_cluster, pairs, gemm_pairs = {}, [0] * len(jobs), 0
+    pairs probed per job, {cluster: pairs the tasks compute for it, for all jobs})``."""
+    by_cluster, pairs, gemm_pairs = {}, [0] * len(jobs), {}
     rules = [job["ladder"][job["rounds"]] for job in jobs]
     for start, stop, dist in geometry.distance_blocks():  # a block of query clusters at a time
         for a in range(start, stop):
@@ -505,7 +510,7 @@ def _probe_plans(geometry, sizes, jobs: list) -> tuple[dict, list, int]:
                           for pool, (_, sz) in pools.items()}
                 pairs[j] += sum(int(pools[pool][0][a]) * int(pools[pool][1][cl].sum()) for pool, cl in probed.items())
                 plan.update({"cross": probed["cross"]} if "cross" in pools else {"cells": probed})
-            gemm_pairs += _gemm_pairs(a, plan, jobs)
+            gemm_pairs[a] = _gemm_pairs(a, plan, jobs)
             by_cluster[a] = plan
     return {int(a): by_cluster[int(a)] for a in probe_chain(geometry) if int(a) in by_cluster}, pairs, gemm_pairs
 

@@ -23,8 +23,9 @@ ROWS_PER_CLUSTER = 2048
 #: ``[KMEANS_MIN_SAMPLE, KMEANS_MAX_SAMPLE]`` (and to ``n``); the cap keeps the read bounded.
 KMEANS_MIN_SAMPLE = 20000
 KMEANS_MAX_SAMPLE = 65536
-#: Query rows per search task (a batch of whole clusters; at least one cluster).
-BATCH_ROWS = 16384
+#: Query rows per search task (a batch of whole clusters; at least one cluster). Four clusters
+#: of ROWS_PER_CLUSTER: more, shorter tasks leave less of the last wave to one worker.
+BATCH_ROWS = 8192
 #: Target rows held at once by a search task.
 PIECE_ROWS = 65536
 #: Calibration queries (their exact answers pick the probe radius).
