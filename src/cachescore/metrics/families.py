@@ -183,7 +183,7 @@ def _tables(name: str):
     (:data:`.large.TABLES`; imported as :func:`_reduce` is)."""
 
     def tables(params, ref):
-        from .large import TABLES
+        from .large import TABLES  # deferred: distributed and pyarrow, for out-of-core units only
 
         return TABLES[name](params, ref)
 
