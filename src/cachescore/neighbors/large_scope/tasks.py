@@ -238,15 +238,26 @@ class Targets:
         rows = np.concatenate(sets)
         if rows.size == 0 or tsel.size == 0:
             return
-        sub_i = np.concatenate([bi[q] for q, (bi, _) in zip(sets, tables)])
-        sub_d = np.concatenate([bd[q] for q, (_, bd) in zip(sets, tables)])
+        sub_i, sub_d = _stacked(sets, tables)
         # the targets are each query set's pool (one cell, or the probed scope): only groups mask
         topk_tiles(qv[rows], q_codes[0][rows], self.tv, self.tpos, self.t_groups, sub_i.shape[1], sub_i, sub_d,
                    rows=tsel, share=share)
-        at = 0
-        for q, (bi, bd) in zip(sets, tables):
-            bi[q], bd[q] = sub_i[at : at + q.size], sub_d[at : at + q.size]
-            at += q.size
+        _unstack(sets, tables, sub_i, sub_d)
+
+
+def _stacked(sets, tables) -> tuple[np.ndarray, np.ndarray]:
+    """The running rows of disjoint query sets ``sets`` (index arrays), each from its table of
+    ``tables`` ((idx, dist) of all queries, one width), stacked in set order (copies)."""
+    return (np.concatenate([bi[q] for q, (bi, _) in zip(sets, tables)]),
+            np.concatenate([bd[q] for q, (_, bd) in zip(sets, tables)]))
+
+
+def _unstack(sets, tables, sub_i, sub_d) -> None:
+    """Write rows stacked by :func:`_stacked` back into their tables."""
+    at = 0
+    for q, (bi, bd) in zip(sets, tables):
+        bi[q], bd[q] = sub_i[at : at + q.size], sub_d[at : at + q.size]
+        at += q.size
 
 
 class _TypedShare:
@@ -260,8 +271,7 @@ class _TypedShare:
 
     def __init__(self, targets: Targets, qsel, tsel, res: dict, q_groups):
         self.t, self.qsel, self.tsel, self.q_groups = targets, qsel, tsel, q_groups
-        self.so, self.os = res["so"], res["os"]
-        self.k = self.so[0].shape[1]
+        self.tables = (res["so"], res["os"])
         self.col_cell = targets.row_cell[tsel]  # ascending: ``order`` runs by (cell, cluster)
         self.runs = []  # (first column, last column + 1, probed mask or None, SO positions, OS positions)
 
@@ -282,19 +292,16 @@ class _TypedShare:
             cols = np.arange(a - t0, b - t0) if probed is None else np.flatnonzero(probed[a - lo:b - lo]) + (a - t0)
             if cols.size == 0:
                 continue
-            parts = [p[np.searchsorted(p, s):np.searchsorted(p, e)] for p in (so_pos, os_pos)]
+            parts = [p[np.searchsorted(p, s):np.searchsorted(p, e)] for p in (so_pos, os_pos)]  # in ``s:e``
             local = np.concatenate(parts)
             if local.size == 0:
                 continue
-            q = self.qsel[local]  # indices of all queries
-            sub_i = np.concatenate([self.so[0][self.qsel[parts[0]]], self.os[0][self.qsel[parts[1]]]])
-            sub_d = np.concatenate([self.so[1][self.qsel[parts[0]]], self.os[1][self.qsel[parts[1]]]])
+            sets = tuple(self.qsel[p] for p in parts)  # indices of all queries
+            sub_i, sub_d = _stacked(sets, self.tables)
             t_rows = self.tsel[t0 + cols]
-            merge_similarity_tile(sub_i, sub_d, sim[np.ix_(local - s, cols)], self.q_groups[q],
-                                  self.t.t_groups[t_rows], self.t.tpos[t_rows], self.k)
-            n_so = parts[0].size
-            self.so[0][q[:n_so]], self.so[1][q[:n_so]] = sub_i[:n_so], sub_d[:n_so]
-            self.os[0][q[n_so:]], self.os[1][q[n_so:]] = sub_i[n_so:], sub_d[n_so:]
+            merge_similarity_tile(sub_i, sub_d, sim[np.ix_(local - s, cols)], self.q_groups[self.qsel[local]],
+                                  self.t.t_groups[t_rows], self.t.tpos[t_rows], sub_i.shape[1])
+            _unstack(sets, self.tables, sub_i, sub_d)
 
 
 def plan_clusters(plan: dict):
