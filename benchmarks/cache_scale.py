@@ -291,6 +291,33 @@ def _phase_of(key) -> str:
     return head.split(".", 1)[0]
 
 
+def worker_idle(stream: list, t_start: float, t_stop: float, min_gap: float = 0.5) -> dict:
+    """Per worker, from the Dask task stream (``compute`` intervals, epoch seconds) of a run that
+    lasted ``t_start..t_stop``: ``busy_s``, ``idle_s`` (wall minus busy: what a worker waited for,
+    the run's serial share as this worker saw it) and its ``gaps`` of at least ``min_gap`` s as
+    ``[offset from start, seconds, the phase of the task the worker ran next]`` ("end" after its
+    last task): the start gap is the driver's start-up, later gaps name the step that ran alone."""
+    spans: dict = {}
+    for t in stream:
+        for ss in t.get("startstops", ()):
+            if ss.get("action") == "compute":
+                spans.setdefault(t.get("worker", "?"), []).append((float(ss["start"]), float(ss["stop"]),
+                                                                   _phase_of(t["key"])))
+    out = {}
+    for w, sp in sorted(spans.items()):
+        sp.sort()
+        gaps, busy, at = [], 0.0, t_start
+        for start, stop, ph in sp:
+            if start - at >= min_gap:
+                gaps.append([round(at - t_start, 2), round(start - at, 2), ph])
+            busy += stop - start
+            at = max(at, stop)
+        if t_stop - at >= min_gap:
+            gaps.append([round(at - t_start, 2), round(t_stop - at, 2), "end"])
+        out[w] = {"busy_s": round(busy, 2), "idle_s": round(t_stop - t_start - busy, 2), "gaps": gaps}
+    return out
+
+
 def run_backend(a, backend: str, cache: Path, workers: int | None = None) -> dict:
     """Run the job for ``backend`` on a fresh LocalCluster of ``workers`` (default ``--workers``)
     single-threaded worker processes, with ``cachescore run`` in a **subprocess** (the driver:
@@ -323,7 +350,7 @@ def run_backend(a, backend: str, cache: Path, workers: int | None = None) -> dic
                 "atexit.register(_hwm)\n"
                 "from cachescore import cli; sys.exit(cli.main(sys.argv[2:]))")
         with get_task_stream(client) as stream:
-            t0 = time.perf_counter()
+            t0, e0 = time.perf_counter(), time.time()
             proc = subprocess.Popen([sys.executable, "-c", code, str(hwm_file), *argv])
             sampler = WorkerMemorySampler(dict(pids, client=proc.pid), a.sample_interval)
             sampler.start()
@@ -341,6 +368,12 @@ def run_backend(a, backend: str, cache: Path, workers: int | None = None) -> dic
                     phases[ph] = phases.get(ph, 0.0) + float(ss["stop"] - ss["start"])
     out.update(rc=int(rc), wall_s=round(wall, 2), gemm_gflops={w: round(g, 1) for w, g in gemm.items()})
     out["task_seconds_by_phase"] = {k: round(v, 2) for k, v in sorted(phases.items())}
+    out["worker_idle"] = worker_idle(stream.data, e0, e0 + wall)
+    # the timeline itself, compact: [worker, phase, task key prefix, start, stop] (s from the start)
+    out["task_timeline"] = sorted([t.get("worker", "?"), _phase_of(t["key"]), str(t["key"])[:40],
+                                   round(ss["start"] - e0, 3), round(ss["stop"] - e0, 3)]
+                                  for t in stream.data for ss in t.get("startstops", ())
+                                  if ss.get("action") == "compute")
     out["client_cpu_s"] = round(usage.ru_utime + usage.ru_stime, 2)
     out["client_peak_mib"] = _driver_hwm_mib(hwm_file)
     client_peak = peaks.pop("client")
@@ -379,6 +412,10 @@ def print_backend(res: dict) -> None:
     if total:
         print("   worker task-seconds by phase: " + ", ".join(
             f"{k} {v:.1f} s ({100 * v / total:.0f}%)" for k, v in tasks.items()) + f"; total {total:.1f} s")
+    for w, idle in sorted((res.get("worker_idle") or {}).items()):
+        print(f"   worker {w}: busy {idle['busy_s']:.1f} s, idle {idle['idle_s']:.1f} s; gaps >= 0.5 s "
+              "(at s, for s, before phase): " + (", ".join(f"{at:.1f}+{d:.1f} {ph}" for at, d, ph in idle["gaps"])
+                                                 or "none"))
     cols = [c for c in dict.fromkeys((*RECORD_COLUMNS, *EXTRA_KEYS)) if res["records"] and c in res["records"][0]]
     if res["records"]:
         print("   " + "  ".join(f"{c:>10}" for c in cols))

@@ -23,7 +23,9 @@ from cachescore.metrics import families
 from cachescore.metrics import large
 from cachescore.neighbors import large_scope as ls
 from cachescore.neighbors.registry import searcher_for
-from cachescore.pipeline.large_unit import large_record, scope_task
+from cachescore.cache import write_embeddings
+from cachescore.cache.errors import NonFiniteError, ShardError
+from cachescore.pipeline.large_unit import large_record, large_scopes, scope_task, shard_groups
 from cachescore.pipeline.plan import WorkUnit
 from cachescore.pipeline.unit import result_record
 from test_large_scope import _small_partition, write_cache  # noqa: F401 - a fixture, used by _small
@@ -235,3 +237,56 @@ def test_incomplete_paired_subsets_are_refused_by_the_scope_task(tmp_path, clien
     with pytest.raises(ValueError, match="s1"):
         client.submit(scope_task, str(root), "enc0", "ts", "broken", "centre", "paired_2x2",
                       str(tmp_path / "scratch"), pure=False).result()
+
+
+# -- the scopes and the parallel shard checks ----------------------------------------------------
+
+
+def test_shard_groups_are_consecutive_balanced_and_cover_every_shard():
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        rows = rng.integers(0, 50_000, size=int(rng.integers(1, 40)))
+        parts = int(rng.integers(1, 12))
+        groups = shard_groups(rows, parts)
+        assert groups[0][0] == 0 and groups[-1][1] == rows.size
+        assert all(a < b for a, b in groups) and all(b == c for (_, b), (c, _) in zip(groups, groups[1:]))
+        assert len(groups) <= min(parts, rows.size)
+        if rows.min() > 0 and rows.max() <= 2 * rows.min():  # near-even shards: near-even groups
+            per = [rows[a:b].sum() for a, b in groups]
+            assert max(per) <= rows.sum() / len(groups) + 2 * rows.max()
+    assert shard_groups([10] * 8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert shard_groups([5], 4) == [(0, 1)] and shard_groups([], 3) == []
+
+
+def _scoped_unit(root, view="all"):
+    return WorkUnit(cache_root=str(root), store_root="", encoder="enc0", view=view, tileset="ts", design="all",
+                    confounder_column="centre", metric="ri", params={"backend": "ann", "seed": 0},
+                    fingerprint="f" * 64, inputs={}, code_version="test")
+
+
+def test_large_scopes_checks_every_shard_in_parallel_and_writes_the_marker_last(tmp_path, client):
+    root = tmp_path / "cache"
+    x = write_cache(root, n=1500, encoders=("enc0",))["enc0"]
+    write_embeddings(root, "enc0", "ts", x, shard_rows=200, overwrite=True)  # 8 shards, several groups
+    scratch = tmp_path / "scratch"
+    refs, info = large_scopes(_scoped_unit(root), client, scratch)
+    assert (scratch / "scopes.json").is_file() and not (scratch / "scopes.pending.json").exists()
+    assert sum(r.n for r in refs.values()) == 1500 and info["design"] == "all"
+    # one shard's bytes changed: its group fails naming it, and no marker lets the next run skip the check
+    shard = sorted((root / "embeddings" / "enc0" / "ts").glob("*.npy"))[5]
+    raw = bytearray(shard.read_bytes())
+    raw[-8:] = np.full(2, np.nan, np.float32).tobytes()
+    shard.write_bytes(bytes(raw))
+    scratch2 = tmp_path / "scratch2"
+    with pytest.raises(ShardError, match=f"{shard.name}.*rows 1000:1200.*sha256"):
+        large_scopes(_scoped_unit(root), client, scratch2)
+    assert not (scratch2 / "scopes.json").exists()
+    # the same NaN written with a matching checksum: the value check names the tileset row
+    bad = x.copy()
+    bad[1199, -1] = np.nan
+    write_embeddings(root, "enc0", "ts", bad, shard_rows=200, overwrite=True, check_finite=False)
+    with pytest.raises(NonFiniteError, match="rows 1000:1200.*1199"):
+        large_scopes(_scoped_unit(root), client, scratch2)
+    assert not (scratch2 / "scopes.json").exists()
+    with pytest.raises(IndexError, match="shards 3:99"):
+        Cache(root).validate_shards("enc0", "ts", 3, 99)

@@ -621,7 +621,36 @@ class Cache:
         if sample_ids_digest(tiles["sample_id"].to_numpy(dtype=object)) != meta.sample_ids_sha256:
             raise AlignmentError(f"{label}: {tiles_path(self.root, tileset)} sample_id order differs from the one "
                                  "these embeddings were written for; rows are no longer aligned (re-import them)")
-        for shard, path in zip(meta.shards, self._paths(meta)):
+        self._check_shards(meta, range(len(meta.shards)), checksums=checksums, finite=finite)
+        if signature and signature == self._stat_signature(meta):
+            if len(_VALIDATED) >= _VALIDATED_MAX:
+                _VALIDATED.pop(next(iter(_VALIDATED)))
+            _VALIDATED[key] = signature
+        return meta
+
+    def validate_shards(self, encoder: str, tileset: str, start: int, stop: int, *, checksums: bool = True,
+                        finite: bool = True) -> int:
+        """Check shards ``start:stop`` (indices into ``meta.json``'s shard list) of one embedding
+        array as :meth:`validate_embeddings` checks every shard (it exists, has the recorded shape
+        and dtype, its sha256, no NaN/inf), without the alignment checks and without memoising:
+        a share of one validation, for a task that validates a cache's shards in parallel with
+        others (:func:`cachescore.pipeline.large_unit.large_scopes`). Returns the rows checked.
+        Raises as :meth:`validate_embeddings`, naming the shard and its row range; ``IndexError``
+        when ``start:stop`` is not a range of the shards."""
+        meta = self.meta(encoder, tileset)
+        if not 0 <= int(start) <= int(stop) <= len(meta.shards):
+            raise IndexError(f"{self._label(encoder, tileset)}: shards {start}:{stop} outside 0:{len(meta.shards)}")
+        picked = range(int(start), int(stop))
+        self._check_shards(meta, picked, checksums=checksums, finite=finite)
+        return int(sum(meta.shards[i].rows for i in picked))
+
+    def _check_shards(self, meta: EmbeddingMeta, picked: range, *, checksums: bool, finite: bool) -> None:
+        """Open each shard of ``picked`` and check its header, (``checksums``) its sha256 and
+        (``finite``) its values; errors name the shard and its row range."""
+        label = self._label(meta.encoder, meta.tileset)
+        paths = self._paths(meta)
+        for i in picked:
+            shard, path = meta.shards[i], paths[i]
             mm, digest = shard_contents(open_shard(path, shard.rows, meta.dim, meta.dtype, label), path,
                                         checksums=checksums, finite=finite)
             if checksums and digest != shard.sha256:
@@ -631,11 +660,6 @@ class Cache:
                 if bad.size:
                     raise NonFiniteError(f"{label}: shard {path} (rows {shard.start}:{shard.stop}) has NaN or "
                                          f"infinite values at tileset rows {_rows(bad + shard.start)}")
-        if signature and signature == self._stat_signature(meta):
-            if len(_VALIDATED) >= _VALIDATED_MAX:
-                _VALIDATED.pop(next(iter(_VALIDATED)))
-            _VALIDATED[key] = signature
-        return meta
 
     def info(self) -> dict:
         """Cache-level ``cache.json`` content ({} when absent)."""

@@ -3,10 +3,11 @@ large_scope_rows`` rows), driven from the client process with nothing per row he
 
 Data flow (ADR-0019, issue 26):
 
-1. :func:`large_scopes`: one worker task (:func:`scope_task`, once per scratch key, under a
-   cluster-wide lock) validates the encoder's embeddings, reads the view, validates it as the
+1. :func:`large_scopes` (once per scratch key, under a cluster-wide lock): one worker task
+   (:func:`scope_task`) checks the embeddings' alignment, reads the view, validates it as the
    metric API does and writes each scope's integer codes (``rows.npy``) and view rows
-   (``sources.npy``) to the unit's scratch folder; the driver gets back a
+   (``sources.npy``) to the unit's scratch folder, while shard tasks (:func:`shards_task`) check the
+   shards' checksums and values in parallel on the other workers; the driver gets back a
    :class:`~cachescore.neighbors.large_scope.ScopeRef` per scope (paths and counts).
 2. The engine (:class:`~cachescore.neighbors.large_scope.LargeScopeSearch`) partitions and
    searches on the workers, which write the neighbour tables in scope order to scratch.
@@ -24,6 +25,7 @@ are driven at once (their tasks share the cluster), not memory.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -39,6 +41,7 @@ from ..errors import DATA_ERRORS, UnscorableError
 from ..manifest import prepare
 from ..metrics import families
 from ..metrics.large import OutOfCore
+from ..neighbors.blocked import gather_or_cancel
 from ..neighbors.large_scope import read_refs, write_refs, write_scope
 from ..neighbors.normalize import compute_dtype
 from ..neighbors.registry import searcher_for
@@ -48,18 +51,25 @@ from .outcome import DONE, UnitOutcome
 from .plan import params_json
 from .unit import record_unit_failure, score_unit, unit_annotation, unit_scratch, write_unit_result
 
-__all__ = ["scope_task", "large_scopes", "search_companions", "expected_tables", "score_large_unit", "drive_large_unit",
+__all__ = ["scope_task", "shards_task", "shard_groups", "large_scopes", "search_companions", "expected_tables", "score_large_unit", "drive_large_unit",
            "large_record"]
 
 
+#: Shard groups per worker that :func:`large_scopes` validates in parallel (several per worker,
+#: so one slow group does not leave the others idle at the end).
+VALIDATION_GROUPS_PER_WORKER = 2
+
+
 def scope_task(cache_root: str, encoder: str, tileset: str, view: str, confounder_column: str, design: str,
-               folder: str) -> None:
+               folder: str, *, contents: bool = True, marker: str = "scopes.json") -> None:
     """Worker task: validate the embeddings of ``encoder`` × ``tileset`` (streamed, shard by
-    shard), read ``view``, validate it for ``design`` as the metric API does (``ValueError`` /
-    ``RuntimeError`` naming what is wrong) and write every scope's ``rows.npy`` / ``sources.npy``
-    under ``folder/scope-NNN`` and their summary as ``folder/scopes.json`` (written last)."""
+    shard; with ``contents=False`` only their alignment and shard headers, the caller checking
+    checksums and values with :func:`shards_task`), read ``view``, validate it for ``design`` as
+    the metric API does (``ValueError`` / ``RuntimeError`` naming what is wrong) and write every
+    scope's ``rows.npy`` / ``sources.npy`` under ``folder/scope-NNN`` and their summary as
+    ``folder/<marker>`` (written last)."""
     cache = Cache(cache_root)
-    cache.validate_embeddings(encoder, tileset)
+    cache.validate_embeddings(encoder, tileset, checksums=contents, finite=contents)
     manifest = cache.read_view(view)
     tile_rows = manifest["row"].to_numpy(dtype=np.int64)
     prepared = prepare(manifest, confounder_column=confounder_column, evaluation_design=design, validate_subsets=True)
@@ -75,19 +85,52 @@ def scope_task(cache_root: str, encoder: str, tileset: str, view: str, confounde
         sub.mkdir(parents=True, exist_ok=True)
         refs[key] = write_scope(sub, index, None if whole else sc.rows, embeddings=embeddings,
                                 source=f"{label} scope {sc.subset!r}", name=sc.subset)
-    write_refs(Path(folder) / "scopes.json", refs, dataset=prepared.dataset, design=prepared.design,
+    write_refs(Path(folder) / marker, refs, dataset=prepared.dataset, design=prepared.design,
                dtype=compute_dtype(embeddings.meta().dtype).name)
+
+
+def shards_task(cache_root: str, encoder: str, tileset: str, start: int, stop: int) -> int:
+    """Worker task: check shards ``start:stop`` of ``encoder`` × ``tileset`` (sha256 and values,
+    :meth:`cachescore.cache.Cache.validate_shards`; errors name the shard). Returns their rows."""
+    return Cache(cache_root).validate_shards(encoder, tileset, start, stop)
+
+
+def shard_groups(rows, parts: int) -> list[tuple[int, int]]:
+    """``parts`` (at most one per shard, at least one) consecutive ranges ``(start, stop)`` of
+    shard indices whose row totals are as even as consecutive ranges allow: the split points
+    are the shards where the cumulative row count crosses each ``i / parts`` of the total.
+    ``rows``: each shard's row count, in order."""
+    rows = np.asarray(rows, dtype=np.int64)
+    if rows.size == 0:
+        return []
+    parts = max(1, min(int(parts), rows.size))
+    ends = np.cumsum(rows)
+    cuts = np.searchsorted(ends, ends[-1] * np.arange(1, parts) / parts, side="left") + 1
+    bounds = np.unique(np.concatenate([[0], np.clip(cuts, 1, rows.size - 1), [rows.size]]))
+    return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def large_scopes(unit, client, scratch: Path) -> tuple[dict, dict]:
     """``({key: ScopeRef}, {"dataset", "design", "dtype"})`` of a large unit's view, written once
-    per scratch folder by :func:`scope_task` on a worker (units of one encoder and view share it)."""
+    per scratch folder (units of one encoder and view share it): :func:`scope_task` reads the
+    view and writes the scopes on one worker while :func:`shards_task` checks the embeddings'
+    shards in groups on the others (:data:`VALIDATION_GROUPS_PER_WORKER` per worker); the
+    summary becomes ``scopes.json`` only once every task passed, so a failed check is not
+    skipped by the next run. The first failure raises (its shard named), the rest cancelled."""
     marker = scratch / "scopes.json"
     with Lock(f"cachescore-large-{scratch}-scopes", scheduler_rpc=client.scheduler, loop=client.loop):
         if not marker.is_file():
-            client.submit(scope_task, str(unit.cache_root), unit.encoder, unit.tileset, unit.view,
-                          unit.confounder_column, unit.design, str(scratch), pure=False,
-                          key=task_key("partition", "scopes")).result()
+            pending = "scopes.pending.json"
+            args = (str(unit.cache_root), unit.encoder, unit.tileset)
+            futures = [client.submit(scope_task, *args, unit.view, unit.confounder_column, unit.design, str(scratch),
+                                     contents=False, marker=pending, pure=False, priority=1,
+                                     key=task_key("partition", "scopes"))]
+            shards = Cache(unit.cache_root).meta(unit.encoder, unit.tileset).shards
+            parts = VALIDATION_GROUPS_PER_WORKER * max(1, len(client.scheduler_info().get("workers", {})))
+            futures += [client.submit(shards_task, *args, a, b, pure=False, key=task_key("partition", "shards"))
+                        for a, b in shard_groups([s.rows for s in shards], parts)]
+            gather_or_cancel(client, futures)
+            os.replace(scratch / pending, marker)
     embeddings = Cache(unit.cache_root).row_source(unit.encoder, unit.tileset)
     info = json.loads(marker.read_text())
     return read_refs(marker, embeddings), {k: info[k] for k in ("dataset", "design", "dtype")}

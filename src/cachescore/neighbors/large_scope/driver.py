@@ -395,8 +395,9 @@ class LargeScopeSearch:
 
     def _exact_samples(self, part: Partition, layout_f, widths: dict, ref: ScopeRef):
         """Exact answers of every kind in ``widths`` (kind -> k) for the calibration and audit
-        samples: one brute task per chunk, both samples and every kind in one pass (the kinds
-        share their GEMMs, :meth:`~.tasks.Targets.search`), merged as the tasks finish. Returns
+        samples: one brute task per chunk and part of the queries (:data:`CALIBRATION_PARTS`),
+        both samples and every kind in one pass (the kinds share their GEMMs,
+        :meth:`~.tasks.Targets.search`), merged per part as the tasks finish. Returns
         ``(calibration positions, audit positions, {kind: (idx, dist)})``, the tables' rows being
         the calibration sample and then the audit sample. The samples' vectors are read by a
         task and handed to the brute tasks on the cluster; the driver reads only codes."""
@@ -409,22 +410,27 @@ class LargeScopeSearch:
         qv_f = self.client.submit(position_task, layout_f, part.step, qpos, pure=False,
                                   key=task_key("calibrate", "queries"))
         q_codes = np.ascontiguousarray(ref.codes_at(qpos)[:, 1:])
-        futures = [self.client.submit(brute_task, layout_f, j, qv_f, q_codes, widths, pure=False,
-                                      key=task_key("calibrate", f"chunk{j:05d}"))
-                   for j in range(len(part.layout.paths))]
-        merged = None
+        step = -(-qpos.size // max(1, int(tunables.CALIBRATION_PARTS)))
+        starts = list(range(0, qpos.size, step))
+        # larger chunks first (priority: the rank of a chunk's rows), so the last wave is short
+        rows = np.argsort(np.argsort([int(b[-1]) for b in part.layout.bounds], kind="stable"), kind="stable").tolist()
+        futures = {self.client.submit(brute_task, layout_f, j, qv_f, q_codes[s:s + step], widths, s, pure=False,
+                                      priority=rows[j], key=task_key("calibrate", f"chunk{j:05d}-{s}")): s
+                   for j in range(len(part.layout.paths)) for s in starts}
+        merged = dict.fromkeys(starts)
         try:  # merged as they finish (a (distance, index) merge: any order gives the same top-k),
-            # so the driver holds one chunk's answers at a time, not one per chunk
-            for fut in as_completed(futures, loop=self.client.loop):  # this client's, not a default one
-                found = fut.result()
-                merged = found if merged is None else {kd: merge_tables(merged[kd], found[kd], k)
-                                                       for kd, k in widths.items()}
+            # so the driver holds one chunk's answers per part at a time, not one per chunk
+            for fut in as_completed(list(futures), loop=self.client.loop):  # this client's, not a default one
+                found, s = fut.result(), futures[fut]
+                merged[s] = found if merged[s] is None else {kd: merge_tables(merged[s][kd], found[kd], k)
+                                                             for kd, k in widths.items()}
                 fut.release()
                 del found
         except BaseException:
-            self.client.cancel(futures)
+            self.client.cancel(list(futures))
             raise
-        return calib, audit, merged
+        whole = {kd: tuple(np.concatenate([merged[s][kd][w] for s in starts]) for w in (0, 1)) for kd in widths}
+        return calib, audit, whole
 
     def _calibrate(self, part: Partition, kinds, geometry, pools, floor, ref: ScopeRef, calib, audit, merged):
         """The probe rules to try for ``kinds`` (:func:`probe_ladder`) from the exact answers of

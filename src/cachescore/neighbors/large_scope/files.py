@@ -30,6 +30,9 @@ BATCH_ROWS = 8192
 PIECE_ROWS = 65536
 #: Calibration queries (their exact answers pick the probe radius).
 CALIBRATION_QUERIES = 2000
+#: The calibration and audit queries are answered exactly in this many parts per chunk (one task
+#: each): shorter tasks, so the last wave of the brute-force pass leaves less time to one worker.
+CALIBRATION_PARTS = 2
 #: Version of the scratch layout and of this engine (enters the scratch key).
 ENGINE_VERSION = 3  # 3: tables written by the search tasks, cluster files; 2: probe radius
 

@@ -103,12 +103,15 @@ def position_task(layout: Layout, step: int, positions: np.ndarray) -> np.ndarra
 
 
 
-def brute_task(layout: Layout, j: int, qv: np.ndarray, q_codes: np.ndarray, widths: dict) -> dict:
-    """Exact top-k of each kind of ``widths`` (kind -> k) for the sample queries (vectors ``qv``,
-    codes ``q_codes`` (q, 3): group, label, confounder) over chunk ``j`` (all its rows); the
-    cross-group and typed kinds share their GEMMs (:meth:`Targets.search`)."""
+def brute_task(layout: Layout, j: int, qv: np.ndarray, q_codes: np.ndarray, widths: dict,
+               start: int = 0) -> dict:
+    """Exact top-k of each kind of ``widths`` (kind -> k) for sample queries ``start : start + q``
+    (vectors ``qv[start : start + q]`` of all the sample's ``qv``, codes ``q_codes`` (q, 3):
+    group, label, confounder) over chunk ``j`` (all its rows); the cross-group and typed kinds
+    share their GEMMs (:meth:`Targets.search`). Returns ``{kind: (idx, dist)}``, (q, k) each."""
     with single_thread_blas():
         q = q_codes.shape[0]
+        qv = qv[int(start):int(start) + q]
         out = {kind: (np.full((q, k), -1, np.int64), np.full((q, k), np.inf)) for kind, k in widths.items()}
         Targets(layout.n_conf, *layout.read_chunk(j)).search(qv, tuple(q_codes.T), np.arange(q), out, None)
         return out
