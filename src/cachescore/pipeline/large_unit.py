@@ -41,7 +41,6 @@ from ..errors import DATA_ERRORS, UnscorableError
 from ..manifest import prepare
 from ..metrics import families
 from ..metrics.large import OutOfCore
-from ..neighbors.blocked import gather_or_cancel
 from ..neighbors.large_scope import read_refs, write_refs, write_scope
 from ..neighbors.normalize import compute_dtype
 from ..neighbors.registry import searcher_for
@@ -129,7 +128,11 @@ def large_scopes(unit, client, scratch: Path) -> tuple[dict, dict]:
             parts = VALIDATION_GROUPS_PER_WORKER * max(1, len(client.scheduler_info().get("workers", {})))
             futures += [client.submit(shards_task, *args, a, b, pure=False, key=task_key("partition", "shards"))
                         for a, b in shard_groups([s.rows for s in shards], parts)]
-            gather_or_cancel(client, futures)
+            try:  # the first failure raises (its shard named), the rest cancelled
+                client.gather(futures)
+            except BaseException:
+                client.cancel(futures)
+                raise
             os.replace(scratch / pending, marker)
     embeddings = Cache(unit.cache_root).row_source(unit.encoder, unit.tileset)
     info = json.loads(marker.read_text())
