@@ -413,9 +413,9 @@ class LargeScopeSearch:
         step = -(-qpos.size // max(1, int(tunables.CALIBRATION_PARTS)))
         starts = list(range(0, qpos.size, step))
         # larger chunks first (priority: the rank of a chunk's rows), so the last wave is short
-        rows = np.argsort(np.argsort([int(b[-1]) for b in part.layout.bounds], kind="stable"), kind="stable").tolist()
+        rank = np.argsort(np.argsort([int(b[-1]) for b in part.layout.bounds], kind="stable"), kind="stable").tolist()
         futures = {self.client.submit(brute_task, layout_f, j, qv_f, q_codes[s:s + step], widths, s, pure=False,
-                                      priority=rows[j], key=task_key("calibrate", f"chunk{j:05d}-{s}")): s
+                                      priority=rank[j], key=task_key("calibrate", f"chunk{j:05d}-{s}")): s
                    for j in range(len(part.layout.paths)) for s in starts}
         merged = dict.fromkeys(starts)
         try:  # merged as they finish (a (distance, index) merge: any order gives the same top-k),
