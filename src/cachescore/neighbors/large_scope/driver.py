@@ -413,7 +413,7 @@ class LargeScopeSearch:
         step = -(-qpos.size // max(1, int(tunables.CALIBRATION_PARTS)))
         starts = list(range(0, qpos.size, step))
         # larger chunks first (priority: the rank of a chunk's rows), so the last wave is short
-        rank = np.argsort(np.argsort([int(b[-1]) for b in part.layout.bounds], kind="stable"), kind="stable").tolist()
+        rank = _priorities([int(b[-1]) for b in part.layout.bounds])
         futures = {self.client.submit(brute_task, layout_f, j, qv_f, q_codes[s:s + step], widths, s, pure=False,
                                       priority=rank[j], key=task_key("calibrate", f"chunk{j:05d}-{s}")): s
                    for j in range(len(part.layout.paths)) for s in starts}
@@ -480,7 +480,7 @@ class LargeScopeSearch:
         batches = _batches(plans, sizes)
         work = [sum(gemm_pairs[a] for a in b) for b in batches]
         # the most work first (dask runs higher priorities first): the last wave is short tasks
-        rank = np.argsort(np.argsort(work, kind="stable"), kind="stable")
+        rank = _priorities(work)
         futures = [self.client.submit(search_task, layout_f, b, widths, tables, pure=False, priority=int(rank[i]),
                                       key=task_key("search", f"batch{i:05d}"))
                    for i, b in enumerate(batches)]
@@ -497,6 +497,12 @@ class LargeScopeSearch:
                      "searched_with": ["/".join(o["kinds"]) for o in jobs if o is not job]}
             out.append(((pairs[j] / exact_pairs if exact_pairs else 1.0), stats))
         return out
+
+
+def _priorities(work) -> list[int]:
+    """Dask priorities (higher runs first) that order tasks by ``work``, most first: each task's
+    rank in ``work`` (of equal work, the later one ranks higher)."""
+    return np.argsort(np.argsort(work, kind="stable"), kind="stable").tolist()
 
 
 def _probe_plans(geometry, sizes, jobs: list) -> tuple[dict, list, dict]:
