@@ -296,7 +296,10 @@ def worker_idle(stream: list, t_start: float, t_stop: float, min_gap: float = 0.
     lasted ``t_start..t_stop``: ``busy_s``, ``idle_s`` (wall minus busy: what a worker waited for,
     the run's serial share as this worker saw it) and its ``gaps`` of at least ``min_gap`` s as
     ``[offset from start, seconds, the phase of the task the worker ran next]`` ("end" after its
-    last task): the start gap is the driver's start-up, later gaps name the step that ran alone."""
+    last task): the start gap is the driver's start-up, later gaps name the step that ran alone.
+    Busy time is the union of the intervals inside ``t_start..t_stop`` (an interval recorded twice,
+    or begun before the start stamp, is not counted twice or outside the wall), so
+    ``busy_s + idle_s`` is the wall and ``idle_s >= 0``."""
     spans: dict = {}
     for t in stream:
         for ss in t.get("startstops", ()):
@@ -308,9 +311,10 @@ def worker_idle(stream: list, t_start: float, t_stop: float, min_gap: float = 0.
         sp.sort()
         gaps, busy, at = [], 0.0, t_start
         for start, stop, ph in sp:
+            start, stop = max(start, t_start), min(stop, t_stop)  # inside the run's wall only
             if start - at >= min_gap:
                 gaps.append([round(at - t_start, 2), round(start - at, 2), ph])
-            busy += stop - start
+            busy += max(0.0, stop - max(start, at))  # the union of the intervals: an overlap counts once
             at = max(at, stop)
         if t_stop - at >= min_gap:
             gaps.append([round(at - t_start, 2), round(t_stop - at, 2), "end"])

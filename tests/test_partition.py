@@ -245,6 +245,43 @@ def test_merge_of_a_tile_closer_than_every_current_neighbour_keeps_o_bk_candidat
 
 
 
+def test_similarity_merge_tightens_only_the_rows_a_tile_floods(monkeypatch):
+    """merge_similarity_tile selects a row's own k-th of the tile only for the rows from which
+    more than ROW_CANDIDATES · k entries would pass their current bound: the other rows keep their
+    bound and pass their few entries as they are. The sort sees at most ROW_CANDIDATES · k entries
+    per row, and the result is the brute-force merge's, row for row."""
+    rng = np.random.default_rng(11)
+    b, w, k = 24, 900, 5
+    sim = rng.uniform(-0.5, 0.9, (b, w)).astype(np.float32)  # continuous: no ties
+    qg, tg = rng.integers(0, 3, b), rng.integers(0, 3, w)
+    tids = rng.permutation(10 * w)[:w].astype(np.int64)
+    bi = np.tile(np.arange(100_000, 100_000 + k, dtype=np.int64), (b, 1))
+    bd = np.empty((b, k))
+    bd[: b // 2] = 1.9  # flooded: every entry of the tile is closer than their k-th
+    bd[b // 2 :] = 0.2  # quiet: only entries of similarity >= 0.8 can enter
+    dist = np.clip(np.subtract(1, sim), 0, 2).astype(np.float64)
+    dist[qg[:, None] == tg[None, :]] = np.inf
+    want_i, want_d = np.empty((b, k), np.int64), np.empty((b, k))
+    for r in range(b):
+        d = np.concatenate([bd[r], dist[r]])
+        i = np.concatenate([bi[r], tids])
+        o = np.lexsort((i, d))[:k]
+        want_i[r], want_d[r] = i[o], d[o]
+    seen = []
+    real = topk._merge_candidates
+    monkeypatch.setattr(topk, "_merge_candidates",
+                        lambda bi_, bd_, nd, nr, *a: (seen.append(np.bincount(nr, minlength=b)), real(bi_, bd_, nd, nr, *a))[1])
+    selected = []
+    real_partition = np.partition
+    monkeypatch.setattr(topk.np, "partition", lambda a, *x, **kw: (selected.append(a.shape[0]), real_partition(a, *x, **kw))[1])
+    topk.merge_similarity_tile(bi, bd, sim.copy(), qg, tg, tids, k)
+    np.testing.assert_array_equal(bi, want_i)
+    np.testing.assert_array_equal(bd, want_d)
+    assert selected == [b // 2]  # the flooded rows only
+    assert seen and seen[0].max() <= topk.ROW_CANDIDATES * k
+    assert seen[0][b // 2 :].sum() > 0  # the quiet rows passed entries without a selection
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("seed", range(3))
 def test_similarity_tile_merge_equals_masked_distance_merge(dtype, seed):

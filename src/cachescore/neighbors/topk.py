@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = ["topk", "merge_tables", "merge_tile", "merge_similarity_tile", "same_group_pairs", "merge_keys",
-           "MERGE_CANDIDATES"]
+           "MERGE_CANDIDATES", "ROW_CANDIDATES"]
 
 
 def topk(dist: np.ndarray, idx: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -58,6 +58,12 @@ def merge_tables(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarr
 #: :func:`merge_tile` tightens its per-row threshold when more than this many × k entries per
 #: row (on average) would pass it, bounding its candidate arrays by the tile's rows × k.
 MERGE_CANDIDATES = 4
+
+#: :func:`merge_similarity_tile` tightens the threshold of a row from which more than this many ×
+#: k entries of a tile would pass it (a selection for those rows only). Sorting up to 16 k
+#: candidates of a row costs less than selecting its k-th of a 8,192-wide tile row
+#: (``benchmarks/RESULTS.md``, issue 26: the calibration's brute tasks 1.25 -> 1.0 s).
+ROW_CANDIDATES = 16
 
 
 def merge_tile(bi, bd, dist, tids, k):
@@ -139,7 +145,8 @@ def merge_similarity_tile(bi, bd, sim, q_groups, t_groups, tids, k, *, margin=No
     :func:`same_group_pairs`, no dense comparison), the k-th largest of the maxima of
     :data:`BOUND_BLOCKS` column blocks (k distinct entries at least that similar: a distance no
     valid k-th can exceed; one pass over the tile instead of a selection per row, and nearly as
-    tight as the row's own k-th).
+    tight as the row's own k-th). A row from which more than :data:`ROW_CANDIDATES` · k entries
+    would still pass is bounded by its own k-th of the tile (a selection for those rows only).
     """
     b, w = sim.shape
     if b == 0 or w == 0:
@@ -161,12 +168,17 @@ def merge_similarity_tile(bi, bd, sim, q_groups, t_groups, tids, k, *, margin=No
         return low.astype(sim.dtype)[:, None]
 
     passing = sim >= bound(thr)
-    if w > k and np.count_nonzero(passing) > MERGE_CANDIDATES * b * k:
-        # a tile much closer than the rows' current k-th neighbours: each row's own k best of the
-        # tile (ties included) bound it, so the candidate arrays stay O(b k)
-        s_k = np.partition(sim, w - k, axis=1)[:, w - k]
-        thr = np.minimum(thr, np.where(np.isfinite(s_k), np.clip(np.subtract(1, s_k), 0, 2).astype(np.float64), np.inf))
-        passing = sim >= bound(thr)
+    if w > k:
+        # rows of a tile much closer than their current k-th neighbours: each such row's own k
+        # best of the tile (ties included) bound it, so no row hands more than ROW_CANDIDATES · k
+        # entries to the sort; a selection for those rows only, not the whole tile
+        heavy = np.flatnonzero(np.count_nonzero(passing, axis=1) > ROW_CANDIDATES * k)
+        if heavy.size:
+            sub = sim[heavy]
+            s_k = np.partition(sub, w - k, axis=1)[:, w - k]
+            thr[heavy] = np.minimum(thr[heavy], np.where(np.isfinite(s_k), np.clip(np.subtract(1, s_k), 0, 2)
+                                                         .astype(np.float64), np.inf))
+            passing[heavy] = sub >= bound(thr[heavy])
     flat = np.flatnonzero(passing)
     del passing
     cand_s = np.ravel(sim)[flat]
