@@ -245,6 +245,18 @@ def test_merge_of_a_tile_closer_than_every_current_neighbour_keeps_o_bk_candidat
 
 
 
+@pytest.mark.parametrize("n", [1, 7, 80, 1023, 1024, 1025, 1104, 3006, 23020])
+@pytest.mark.parametrize("most", [1, 3, 1024, 8192])
+def test_even_tiles_are_as_few_as_the_cap_allows_and_never_thin(n, most):
+    """even_tile: the fewest tiles of at most ``most`` rows (ceil(n / most)), all of one length
+    but the last, which is at most one tile's length shorter than the others."""
+    t = partition.even_tile(n, most)
+    assert 1 <= t <= most
+    lengths = [min(t, n - s) for s in range(0, n, t)]
+    assert len(lengths) == -(-n // most)
+    assert max(lengths) - min(lengths) < len(lengths)
+
+
 def test_similarity_merge_tightens_only_the_rows_a_tile_floods(monkeypatch):
     """merge_similarity_tile selects a row's own k-th of the tile only for the rows from which
     more than ROW_CANDIDATES · k entries would pass their current bound: the other rows keep their
