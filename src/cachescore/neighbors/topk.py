@@ -169,16 +169,7 @@ def merge_similarity_tile(bi, bd, sim, q_groups, t_groups, tids, k, *, margin=No
 
     passing = sim >= bound(thr)
     if w > k:
-        # rows of a tile much closer than their current k-th neighbours: each such row's own k
-        # best of the tile (ties included) bound it, so no row hands more than ROW_CANDIDATES · k
-        # entries to the sort; a selection for those rows only, not the whole tile
-        heavy = np.flatnonzero(_row_counts(passing) > ROW_CANDIDATES * k)
-        if heavy.size:
-            sub = sim[heavy]
-            s_k = np.partition(sub, w - k, axis=1)[:, w - k]
-            thr[heavy] = np.minimum(thr[heavy], np.where(np.isfinite(s_k), np.clip(np.subtract(1, s_k), 0, 2)
-                                                         .astype(np.float64), np.inf))
-            passing[heavy] = sub >= bound(thr[heavy])
+        _bound_flooded_rows(sim, passing, thr, k, bound)
     flat = np.flatnonzero(passing)
     del passing
     cand_s = np.ravel(sim)[flat]
@@ -190,6 +181,23 @@ def merge_similarity_tile(bi, bd, sim, q_groups, t_groups, tids, k, *, margin=No
         return
     flat, r, d = flat[keep], r[keep], d[keep]
     _merge_candidates(bi, bd, d, r, tids[flat - r * w], k)
+
+
+def _bound_flooded_rows(sim, passing, thr, k, bound) -> None:
+    """Rows of a similarity tile ``sim`` (b, w), w > k, much closer than their current k-th
+    neighbours (more than :data:`ROW_CANDIDATES` · k entries ``passing``): each such row's own k
+    best of the tile (ties included) bound it, so no row hands more than that to the sort. A
+    selection for those rows only, not the whole tile; ``thr`` (b,) float64 distance bounds and
+    ``passing`` (b, w) are updated in place (``bound(t)`` gives a (rows, 1) similarity bound)."""
+    w = sim.shape[1]
+    heavy = np.flatnonzero(_row_counts(passing) > ROW_CANDIDATES * k)
+    if heavy.size == 0:
+        return
+    sub = sim[heavy]
+    s_k = np.partition(sub, w - k, axis=1)[:, w - k]
+    own = np.where(np.isfinite(s_k), np.clip(np.subtract(1, s_k), 0, 2).astype(np.float64), np.inf)
+    thr[heavy] = np.minimum(thr[heavy], own)
+    passing[heavy] = sub >= bound(thr[heavy])
 
 
 def _row_counts(mask: np.ndarray) -> np.ndarray:
