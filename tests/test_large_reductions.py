@@ -12,6 +12,8 @@ so the recombination is exercised.
 
 from __future__ import annotations
 
+import json
+
 import warnings
 
 import numpy as np
@@ -265,28 +267,42 @@ def _scoped_unit(root, view="all"):
 
 
 def test_large_scopes_checks_every_shard_in_parallel_and_writes_the_marker_last(tmp_path, client):
+    """large_scopes returns once the scopes are written; the shard checks run on and their
+    ShardChecks writes scopes.json only once every check passed. A failed check raises (its shard
+    named) from wait(), to every caller, and leaves no marker, so the next run checks again."""
     root = tmp_path / "cache"
     x = write_cache(root, n=1500, encoders=("enc0",))["enc0"]
     write_embeddings(root, "enc0", "ts", x, shard_rows=200, overwrite=True)  # 8 shards, several groups
     scratch = tmp_path / "scratch"
-    refs, info = large_scopes(_scoped_unit(root), client, scratch)
-    assert (scratch / "scopes.json").is_file() and not (scratch / "scopes.pending.json").exists()
+    refs, info, checks = large_scopes(_scoped_unit(root), client, scratch)
     assert sum(r.n for r in refs.values()) == 1500 and info["design"] == "all"
+    assert len(checks.futures) > 1  # shard groups checked in parallel
+    checks.wait()
+    checks.wait()  # idempotent
+    assert (scratch / "scopes.json").is_file()
+    assert json.loads((scratch / "scopes.json").read_text()) == json.loads((scratch / "scopes.pending.json").read_text())
+    again = large_scopes(_scoped_unit(root), client, scratch)  # checked before: nothing to wait for
+    assert again[2] is None and {k: r.n for k, r in again[0].items()} == {k: r.n for k, r in refs.items()}
     # one shard's bytes changed: its group fails naming it, and no marker lets the next run skip the check
     shard = sorted((root / "embeddings" / "enc0" / "ts").glob("*.npy"))[5]
     raw = bytearray(shard.read_bytes())
     raw[-8:] = np.full(2, np.nan, np.float32).tobytes()
     shard.write_bytes(bytes(raw))
     scratch2 = tmp_path / "scratch2"
-    with pytest.raises(ShardError, match=f"{shard.name}.*rows 1000:1200.*sha256"):
-        large_scopes(_scoped_unit(root), client, scratch2)
+    refs2, _, checks2 = large_scopes(_scoped_unit(root), client, scratch2)
+    assert sum(r.n for r in refs2.values()) == 1500  # the scopes do not wait for the checks
+    for _ in range(2):  # every caller gets the check's error
+        with pytest.raises(ShardError, match=f"{shard.name}.*rows 1000:1200.*sha256"):
+            checks2.wait()
     assert not (scratch2 / "scopes.json").exists()
     # the same NaN written with a matching checksum: the value check names the tileset row
     bad = x.copy()
     bad[1199, -1] = np.nan
     write_embeddings(root, "enc0", "ts", bad, shard_rows=200, overwrite=True, check_finite=False)
+    _, _, checks3 = large_scopes(_scoped_unit(root), client, scratch2)  # a new check, not the failed one
+    assert checks3 is not checks2
     with pytest.raises(NonFiniteError, match="rows 1000:1200.*1199"):
-        large_scopes(_scoped_unit(root), client, scratch2)
+        checks3.wait()
     assert not (scratch2 / "scopes.json").exists()
     with pytest.raises(IndexError, match="shards 3:99"):
         Cache(root).validate_shards("enc0", "ts", 3, 99)

@@ -496,6 +496,32 @@ def test_nan_rows_fail_their_encoder_only(tmp_path, client):
     assert all("1500" in f["error"] or "7" in f["error"] for f in bad)
 
 
+def test_a_shard_failing_its_check_beside_the_partition_keeps_no_partition(tmp_path, client, monkeypatch):
+    """The shards' checks run beside the k-means and the partition (large_unit.ShardChecks): a
+    failing one is the error the units report (its shard named), and the partition built meanwhile
+    is never marked complete (the engine's gate), so no later run reuses rows that failed."""
+    from cachescore.pipeline import execute
+
+    monkeypatch.setattr(execute, "remove_scratch", lambda folders: None)  # the run's end keeps them here
+    root = tmp_path / "cache"
+    write_cache(root, n=1800, encoders=("good", "bad"))
+    # finite values off the shard's checksum: the partition's tasks read them without complaint
+    shard = sorted((root / "embeddings" / "bad" / "ts").glob("*.npy"))[-1]
+    raw = bytearray(shard.read_bytes())
+    raw[-8:] = np.array([0.5, -0.25], np.float32).tobytes()
+    shard.write_bytes(bytes(raw))
+    plan = plan_job(_job(tmp_path, root, "exact"))
+    scratch = {u.encoder: unit_mod.unit_scratch(u) for u in plan.pending}
+    ok, failures = execute.execute_plan(plan, client, out=None, retries=0)
+    assert ok == 3 and len(failures) == 3 and all(f["label"].startswith("bad/") for f in failures)
+    assert all(shard.name in f["error"] and "sha256" in f["error"] for f in failures), failures
+    assert (scratch["bad"] / "scopes.pending.json").is_file()  # its scopes were written and used
+    assert list(scratch["bad"].glob("*/partition/layout.npz"))  # its partition was built meanwhile...
+    assert not list(scratch["bad"].glob("*/partition/done.json"))  # ...and never marked complete
+    assert not (scratch["bad"] / "scopes.json").exists()
+    assert (scratch["good"] / "scopes.json").is_file() and list(scratch["good"].glob("*/partition/done.json"))
+
+
 def test_capped_scope_is_refused_with_a_clear_error(tmp_path, client):
     """The reference's fetch cap (spec §3.2) needs every row's farthest row; this engine refuses."""
     root = tmp_path / "cache"

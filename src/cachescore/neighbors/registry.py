@@ -121,11 +121,12 @@ def in_memory_searcher(params: dict):
 _OUT_OF_CORE_DEFAULTS = {"recall_target": 1.0, "recall_sample": 1000}
 
 
-def searcher_for(params: dict, *, client=None, scopes: dict | None = None, scratch=None, expected=None):
+def searcher_for(params: dict, *, client=None, scopes: dict | None = None, scratch=None, expected=None, gate=None):
     """The :class:`~.base.Searcher` of a unit with these parameters: out of core
     (:class:`~.large_scope.LargeScopeSearch` on ``client``'s workers over ``scopes``,
     ``{key: ScopeRows}`` each named by its metric scope, with artefacts under ``scratch``;
     exact unless ``backend = "ann"``; ``expected``: the tables the job will ask of each scope,
+    ``gate``: called before a partition is marked complete, both as in
     :class:`~.large_scope.LargeScopeSearch`) when :func:`is_out_of_core`, else
     :func:`in_memory_searcher`. Raises ``ValueError`` for an unknown backend or an out-of-core
     unit without ``client``, ``scopes`` and ``scratch``."""
@@ -139,4 +140,5 @@ def searcher_for(params: dict, *, client=None, scopes: dict | None = None, scrat
     settings = {**_OUT_OF_CORE_DEFAULTS, **params}
     engine = _load("large_scope", "LargeScopeSearch")
     return engine(client, scopes, scratch, exact=backend != "ann", recall_target=float(settings["recall_target"]),
-                  n_recall_queries=int(settings["recall_sample"]), random_state=int(params["seed"]), expected=expected)
+                  n_recall_queries=int(settings["recall_sample"]), random_state=int(params["seed"]), expected=expected,
+                  gate=gate)

@@ -25,7 +25,7 @@ are driven at once (their tasks share the cluster), not memory.
 from __future__ import annotations
 
 import json
-import os
+import threading
 import time
 from pathlib import Path
 
@@ -33,6 +33,7 @@ import dask
 import numpy as np
 from distributed import Lock
 
+from .._atomic import atomic_write_bytes
 from .._missing import as_float
 from .._taskkeys import ANNOTATION, task_key
 from .._warncapture import captured_warnings
@@ -50,7 +51,7 @@ from .outcome import DONE, UnitOutcome
 from .plan import params_json
 from .unit import record_unit_failure, score_unit, unit_annotation, unit_scratch, write_unit_result
 
-__all__ = ["scope_task", "shards_task", "shard_groups", "large_scopes", "search_companions", "expected_tables", "score_large_unit", "drive_large_unit",
+__all__ = ["scope_task", "shards_task", "shard_groups", "ShardChecks", "large_scopes", "search_companions", "expected_tables", "score_large_unit", "drive_large_unit",
            "large_record"]
 
 
@@ -109,34 +110,82 @@ def shard_groups(rows, parts: int) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def large_scopes(unit, client, scratch: Path) -> tuple[dict, dict]:
-    """``({key: ScopeRef}, {"dataset", "design", "dtype"})`` of a large unit's view, written once
-    per scratch folder (units of one encoder and view share it): :func:`scope_task` reads the
-    view and writes the scopes on one worker while :func:`shards_task` checks the embeddings'
-    shards in groups on the others (:data:`VALIDATION_GROUPS_PER_WORKER` per worker); the
-    summary becomes ``scopes.json`` only once every task passed, so a failed check is not
-    skipped by the next run. The first failure raises (its shard named), the rest cancelled."""
-    marker = scratch / "scopes.json"
+class ShardChecks:
+    """The embedding shards' checks of one scratch folder (:func:`shards_task` futures), running
+    beside the k-means and the partition. :meth:`wait` returns once every check passed, then
+    writes the scopes' summary ``scopes.pending.json`` again as ``scopes.json`` (so a failed check
+    is never skipped by a later run); it raises the first failure (its shard named), the others
+    cancelled, and raises that same error again to every later caller. Thread-safe: the units of
+    one scratch folder, driven side by side, share one object (:func:`large_scopes`)."""
+
+    def __init__(self, client, futures: list, pending: Path, marker: Path):
+        self.client, self.futures, self.pending, self.marker = client, list(futures), pending, marker
+        self._lock = threading.Lock()
+        self._done = False
+        self._error: BaseException | None = None
+
+    def wait(self) -> None:
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            if self._done:
+                return
+            try:
+                self.client.gather(self.futures)
+                # a copy, not a rename: a unit that read the pending summary's path may still open it
+                atomic_write_bytes(self.marker, self.pending.read_bytes())
+            except BaseException as exc:
+                self.client.cancel(self.futures)
+                self._error = exc
+                raise
+            else:
+                self._done = True
+                self.futures = []
+            finally:  # settled: later units read scopes.json, or (after a failure) check again
+                with _CHECKS_LOCK:
+                    if _CHECKS.get(str(self.marker)) is self:
+                        del _CHECKS[str(self.marker)]
+
+
+#: The shard checks in flight in this process, by the ``scopes.json`` path they will write.
+_CHECKS: dict[str, ShardChecks] = {}
+_CHECKS_LOCK = threading.Lock()
+
+
+def large_scopes(unit, client, scratch: Path) -> tuple[dict, dict, ShardChecks | None]:
+    """``({key: ScopeRef}, {"dataset", "design", "dtype"}, checks)`` of a large unit's view,
+    written once per scratch folder (units of one encoder and view share it): :func:`scope_task`
+    reads the view and writes the scopes while :func:`shards_task` checks the embeddings' shards
+    in groups (:data:`VALIDATION_GROUPS_PER_WORKER` per worker). This returns once the scopes are
+    written (a scope task's failure raises, the checks cancelled); ``checks``
+    (:class:`ShardChecks`, None when an earlier run's checks passed) must be waited for before a
+    result is used: the engine does so before it marks a partition complete (its ``gate``), and
+    :func:`score_large_unit` before it returns."""
+    marker, pending = scratch / "scopes.json", scratch / "scopes.pending.json"
     with Lock(f"cachescore-large-{scratch}-scopes", scheduler_rpc=client.scheduler, loop=client.loop):
-        if not marker.is_file():
-            pending = "scopes.pending.json"
+        with _CHECKS_LOCK:
+            checks = _CHECKS.get(str(marker))
+        if checks is None and not marker.is_file():
             args = (str(unit.cache_root), unit.encoder, unit.tileset)
-            futures = [client.submit(scope_task, *args, unit.view, unit.confounder_column, unit.design, str(scratch),
-                                     contents=False, marker=pending, pure=False, priority=1,
-                                     key=task_key("partition", "scopes"))]
+            scope = client.submit(scope_task, *args, unit.view, unit.confounder_column, unit.design, str(scratch),
+                                  contents=False, marker=pending.name, pure=False, priority=1,
+                                  key=task_key("partition", "scopes"))
             shards = Cache(unit.cache_root).meta(unit.encoder, unit.tileset).shards
             parts = VALIDATION_GROUPS_PER_WORKER * max(1, len(client.scheduler_info().get("workers", {})))
-            futures += [client.submit(shards_task, *args, a, b, pure=False, key=task_key("partition", "shards"))
-                        for a, b in shard_groups([s.rows for s in shards], parts)]
-            try:  # the first failure raises (its shard named), the rest cancelled
-                client.gather(futures)
+            futures = [client.submit(shards_task, *args, a, b, pure=False, key=task_key("partition", "shards"))
+                       for a, b in shard_groups([s.rows for s in shards], parts)]
+            try:
+                scope.result()
             except BaseException:
-                client.cancel(futures)
+                client.cancel([scope, *futures])
                 raise
-            os.replace(scratch / pending, marker)
+            checks = ShardChecks(client, futures, pending, marker)
+            with _CHECKS_LOCK:
+                _CHECKS[str(marker)] = checks
+    source = marker if checks is None or marker.is_file() else pending
     embeddings = Cache(unit.cache_root).row_source(unit.encoder, unit.tileset)
-    info = json.loads(marker.read_text())
-    return read_refs(marker, embeddings), {k: info[k] for k in ("dataset", "design", "dtype")}
+    info = json.loads(source.read_text())
+    return read_refs(source, embeddings), {k: info[k] for k in ("dataset", "design", "dtype")}, checks
 
 
 def large_record(unit, result, *, recall: float = float("nan")) -> dict:
@@ -189,9 +238,23 @@ def score_large_unit(unit, client, companions: tuple = ()):
     (:func:`search_companions`): units whose tables the engine searches with this unit's. Errors
     as :func:`~.unit.score_unit`."""
     scratch = unit_scratch(unit)
-    refs, info = large_scopes(unit, client, scratch)
+    refs, info, checks = large_scopes(unit, client, scratch)
+    gate = None if checks is None else checks.wait
     searcher = searcher_for(unit.params, client=client, scopes=refs, scratch=scratch,
-                            expected=expected_tables((unit, *companions)))
+                            expected=expected_tables((unit, *companions)), gate=gate)
+    try:
+        out = _score_with(unit, searcher, refs, info, scratch)
+    except BaseException:
+        if gate is not None:
+            gate()  # a shard that failed its check is the cause to report (its shard named)
+        raise
+    if gate is not None:
+        gate()  # no result from rows whose checks have not passed
+    return out
+
+
+def _score_with(unit, searcher, refs: dict, info: dict, scratch: Path):
+    """:func:`score_large_unit` once its scopes and engine are there."""
     family = families.get(unit.metric)
     if family.reduce is None:
         manifest = Cache(unit.cache_root).read_view(unit.view)

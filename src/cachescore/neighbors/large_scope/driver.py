@@ -104,6 +104,11 @@ class LargeScopeSearch:
         searches the others of the same scope that are not complete yet, the cross-group and the
         typed tables in one pass over the probed rows (ADR-0024). A hint: a table in it that
         nobody asks for costs time, never a value.
+    gate : callable, optional
+        Called (no arguments) before a partition is marked complete (its ``done.json``); it
+        raises to keep the partition from being reused. The pipeline passes the wait for the
+        embedding shards' checks, which run beside the k-means and the partition's chunk tasks
+        (:func:`cachescore.pipeline.large_unit.large_scopes`).
 
     Calls: ``search.cross(u, groups, kmax, scope=name) -> (idx, dist)`` and
     ``search.typed(u, labels, confounders, groups, m, scope=name) -> (so_dist, os_dist)`` honour
@@ -116,9 +121,9 @@ class LargeScopeSearch:
     """
 
     def __init__(self, client, scopes: dict, scratch, *, exact=False, recall_target=0.99, n_recall_queries=1000,
-                 random_state=0, max_rounds=4, expected=None):
+                 random_state=0, max_rounds=4, expected=None, gate=None):
         self.client, self.scopes, self.scratch = client, dict(scopes), Path(scratch)
-        self.expected = expected
+        self.expected, self.gate = expected, gate
         self.exact, self.target = bool(exact), float(recall_target)
         self.n_recall_queries, self.seed, self.max_rounds = int(n_recall_queries), int(random_state), int(max_rounds)
         self.details: list[dict] = []
@@ -239,6 +244,8 @@ class LargeScopeSearch:
             cell_sizes += counts
         atomic_save_npz(folder / "layout.npz", bounds=np.stack([p[0] for p in parts]), cell_sizes=cell_sizes,
                         centroids=centroids)
+        if self.gate is not None:
+            self.gate()  # e.g. the shards' checks: a partition of rows that fail one is never reused
         atomic_write_json(folder / "done.json", {"files": names, "dim": dim, "dtype": compute_dtype(meta.dtype).name,
                                                  "n": n, "clusters": int(c), "step": int(step),
                                                  "seconds": round(time.perf_counter() - t0, 3)})
