@@ -240,9 +240,9 @@ def score_large_unit(unit, client, companions: tuple = ()):
     scratch = unit_scratch(unit)
     refs, info, checks = large_scopes(unit, client, scratch)
     gate = None if checks is None else checks.wait
-    searcher = searcher_for(unit.params, client=client, scopes=refs, scratch=scratch,
-                            expected=expected_tables((unit, *companions)), gate=gate)
-    try:
+    try:  # every path waits for the checks: none is left in flight for a later run in this process
+        searcher = searcher_for(unit.params, client=client, scopes=refs, scratch=scratch,
+                                expected=expected_tables((unit, *companions)), gate=gate)
         out = _score_with(unit, searcher, refs, info, scratch)
     except BaseException:
         if gate is not None:
