@@ -47,7 +47,7 @@ DEFERRED = ("numba", "pynndescent", "bokeh", "h5py", "croma", "torch", "matplotl
 
 #: Layer order, lowest first: a package may import only packages at its own level or below.
 LAYERS = [
-    {"_version", "_finite", "_jsonsafe", "_hashing", "_threads", "_taskkeys", "_warncapture", "_keys", "_atomic", "_missing", "types",
+    {"_version", "_finite", "_jsonsafe", "_hashing", "_threads", "_taskkeys", "_warncapture", "_keys", "_atomic", "_missing", "_futures", "types",
      "errors"},
     {"fingerprint", "manifest"},
     {"store", "alignment"},

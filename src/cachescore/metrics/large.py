@@ -48,7 +48,7 @@ from distributed import as_completed
 
 from .._atomic import atomic_write
 from .._taskkeys import task_key
-from ..neighbors.blocked import gather_or_cancel
+from .._futures import gather_or_cancel
 from ..neighbors.large_scope import ScopeRef
 from ..types import TailMetrics, TauAssessment
 from .croma import SCHEDULE_NOT_COMPUTED, _margins, _require_support

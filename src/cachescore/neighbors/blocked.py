@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from .._futures import gather_or_cancel
 from .._taskkeys import task_key
 from .._threads import single_thread_blas
 from .exact import cross_group_knn
@@ -162,15 +163,6 @@ def distributed_count_within(client, u, groups, radius, *, block_rows=None) -> n
         return count_merge(n, order, parts)
     finally:
         _release(us_f, gs_f, floor_f)
-
-
-def gather_or_cancel(client, futures):
-    """Gather ``futures``; if one task fails, cancel the others before re-raising its error."""
-    try:
-        return client.gather(futures)
-    except BaseException:
-        client.cancel(futures)
-        raise
 
 
 def distributed_cross_group_knn(client, u, groups, kmax, *, block_rows=None, **search_kwargs):

@@ -34,6 +34,7 @@ import numpy as np
 from distributed import Lock
 
 from .._atomic import atomic_write_bytes
+from .._futures import gather_or_cancel
 from .._missing import as_float
 from .._taskkeys import ANNOTATION, task_key
 from .._warncapture import captured_warnings
@@ -131,11 +132,10 @@ class ShardChecks:
             if self._done:
                 return
             try:
-                self.client.gather(self.futures)
+                gather_or_cancel(self.client, self.futures)
                 # a copy, not a rename: a unit that read the pending summary's path may still open it
                 atomic_write_bytes(self.marker, self.pending.read_bytes())
             except BaseException as exc:
-                self.client.cancel(self.futures)
                 self._error = exc
                 raise
             else:
@@ -176,7 +176,7 @@ def large_scopes(unit, client, scratch: Path) -> tuple[dict, dict, ShardChecks |
                        for a, b in shard_groups([s.rows for s in shards], parts)]
             try:
                 scope.result()
-            except BaseException:
+            except BaseException:  # the checks are not gathered here: they run on past this call
                 client.cancel([scope, *futures])
                 raise
             checks = ShardChecks(client, futures, pending, marker)

@@ -17,7 +17,7 @@ from distributed import Lock, as_completed
 from ..._taskkeys import task_key
 from ..._atomic import atomic_write_json
 from ..base import scope_aware
-from ..blocked import gather_or_cancel
+from ..._futures import gather_or_cancel
 from ..fetch import is_capped
 from ..normalize import compute_dtype
 from ..partition import (
