@@ -36,6 +36,7 @@ from cachescore.neighbors.normalize import normalize_rows
 from cachescore.neighbors.recall import recall_counts
 from cachescore.neighbors.typed import typed_knn
 from cachescore.neighbors import large_scope as ls
+from cachescore.neighbors import topk
 from cachescore.pipeline import plan_job, run_job
 from cachescore.pipeline import batch as batch_mod
 from cachescore.pipeline import large_unit as large_mod
@@ -211,15 +212,25 @@ def test_paired_scopes_are_searched_separately(cache_root, client, tmp_path):
         search.cross(None, np.zeros(5, dtype=np.int64), 3, scope=again.subset)
 
 
+@pytest.mark.parametrize("sorted_queries", [False, True])
 @pytest.mark.parametrize("seed", range(6))
-def test_one_pass_over_cross_and_typed_targets_equals_two(monkeypatch, seed):
+def test_one_pass_over_cross_and_typed_targets_equals_two(monkeypatch, seed, sorted_queries):
     """:meth:`Targets.search` with the cross-group and typed tables at once (random probe plans,
     duplicated rows for ties, tiles of 10 x 33 so pairs meet in tiles of every shape) gives each
-    table bit for bit as a search of that table alone, and so does the all-rows form."""
+    table bit for bit as a search of that table alone, and so does the all-rows form. Queries
+    in scattered order take the gathered typed merges; ordered by (cluster, label, confounder), as
+    the search tasks order them, the typed sets are runs, all merged from views of the tiles."""
     from cachescore.neighbors import partition
     from cachescore.neighbors.large_scope import tasks
 
     monkeypatch.setattr(tasks, "topk_tiles", functools.partial(partition.topk_tiles, tq=10, tt=33))
+    views = []
+
+    def merge(bi, bd, sim, *args):
+        views.append(sim.base is not None and bi.base is not None)
+        return topk.merge_similarity_tile(bi, bd, sim, *args)
+
+    monkeypatch.setattr(tasks, "merge_similarity_tile", merge)
     rng = np.random.default_rng(seed)
     n, d, n_conf, n_lab, c, nq = 700, 96, 3, 2, 9, 300
     v = rng.standard_normal((n, d)).astype(np.float32)
@@ -229,7 +240,8 @@ def test_one_pass_over_cross_and_typed_targets_equals_two(monkeypatch, seed):
                      rng.integers(0, n_conf, n)], 1).astype(np.int64)
     cl = rng.integers(0, c, n).astype(np.int32)
     t = tasks.Targets(n_conf, v, meta, cl)
-    qv, q_codes, qcl = v[:nq], (meta[:nq, 1], meta[:nq, 2], meta[:nq, 3]), cl[:nq]
+    by = np.lexsort((meta[:nq, 3], meta[:nq, 2], cl[:nq])) if sorted_queries else np.arange(nq)
+    qv, q_codes, qcl = v[:nq][by], (meta[:nq, 1][by], meta[:nq, 2][by], meta[:nq, 3][by]), cl[:nq][by]
 
     def tables(widths):
         return {kind: (np.full((nq, k), -1, np.int64), np.full((nq, k), np.inf)) for kind, k in widths.items()}
@@ -248,6 +260,9 @@ def test_one_pass_over_cross_and_typed_targets_equals_two(monkeypatch, seed):
             for res in (both, cross, typed):
                 t.search(qv, q_codes, qs, res, plan)
         assert (typed["so"][0] >= 0).sum() > nq  # something was found
+        if not everything:  # one cluster's queries: all typed merges from views when ordered
+            assert all(views) == sorted_queries
+        views.clear()
         assert_same_search(both["cross"], cross["cross"], v)  # bit for bit on a shape-invariant BLAS
         for kind in ("so", "os"):
             assert_same_search(both[kind], typed[kind], v)
@@ -609,12 +624,17 @@ def test_a_large_view_the_tileset_does_not_know_fails_its_units_by_name(tmp_path
     assert all("no-such-tile" in f["error"] and "broken.parquet" in f["error"] for f in failures), failures
 
 
-def test_ann_units_run_with_a_client_that_is_not_the_default(cache_root, tmp_path):
+def test_ann_units_run_with_a_client_that_is_not_the_default(cache_root, tmp_path, monkeypatch):
     """``cachescore run --scheduler`` connects a client that is not the process default: nothing in
     a large unit may look for a default client (an ANN unit's calibration merges its answers as
-    they finish)."""
+    they finish). Other tests' clients live in this process, so looking one up raises here."""
+    import distributed.client
     from distributed import Client, LocalCluster
 
+    def no_default(*args, **kwargs):
+        raise ValueError("No clients found (a large unit looked for a default client)")
+
+    monkeypatch.setattr(distributed.client, "default_client", no_default)
     root, _ = cache_root
     job = _job(tmp_path, root, "ann", recall_target=0.99)
     with LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=None) as cluster, \

@@ -35,6 +35,8 @@ def test_task_keys_group_by_phase_and_unit():
     assert key_split(k1) == key_split(k2) == "search.uni_2h.centre_all.ri" == unit_prefix("search", "uni-2h",
                                                                                           "centre all", "ri")
     assert key_split(task_key("partition", "sample")) == "partition"  # no unit annotation: the bare phase
+    with dask.annotate(**{ANNOTATION: ann}):  # a group of its own within the phase and unit
+        assert key_split(task_key("calibrate", "queries", group="sam-ple")) == "calibrate.uni_2h.centre_all.ri.sam_ple"
     with pytest.raises(ValueError, match="unknown task phase 'reduce-x'"):
         task_key("reduce-x")
 

@@ -182,6 +182,49 @@ def test_kmeans_is_deterministic_and_assignment_is_nearest_centroid():
         spherical_kmeans(x, 0)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_segment_sums_are_reduceat_bit_for_bit(dtype):
+    """segment_sums (the k-means' centroid sums) equals np.add.reduceat over the non-empty
+    segments bit for bit: empty and one-row segments, -0.0 entries, lengths across numpy's
+    pairwise block (below 8, up to 128, split halves past it) and magnitudes far apart."""
+    rng = np.random.default_rng(3)
+    counts = np.array([0, 1, 2, 7, 8, 9, 15, 16, 17, 127, 128, 129, 130, 0, 255, 256, 257, 1000, 1031, 1, 0])
+    xs = (rng.standard_normal((counts.sum(), 24)) * rng.uniform(1e-3, 1e3, (counts.sum(), 1))).astype(dtype)
+    xs[rng.integers(0, counts.sum(), 40)] = -0.0
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    nz = np.flatnonzero(counts)
+    want = np.zeros((counts.size, 24), dtype)
+    want[nz] = np.add.reduceat(xs, starts[nz], axis=0)
+    got = partition.segment_sums(xs, counts)
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))  # sign of zero included
+
+
+def test_kmeans_centroids_equal_the_reduceat_formulation():
+    """spherical_kmeans' centroids bit for bit as summing the clusters with np.add.reduceat (the
+    formulation the partitions and the stored ann values before segment_sums were built with)."""
+    rng = np.random.default_rng(1)
+    x = normalize_rows(rng.standard_normal((5000, 32)).astype(np.float32))
+    x[:40] = x[40:80]  # duplicates: an emptied cluster is reseeded
+    r = np.random.default_rng(9)
+    cent = x[r.choice(x.shape[0], size=50, replace=False)].copy()
+    for _ in range(8):
+        lab = np.argmax(x @ cent.T, axis=1)
+        srt = np.argsort(lab, kind="stable")
+        cnt = np.bincount(lab, minlength=50)
+        new = np.zeros_like(cent)
+        nz = np.flatnonzero(cnt)
+        new[nz] = np.add.reduceat(x[srt], np.concatenate([[0], np.cumsum(cnt)[:-1]])[nz], axis=0)
+        norms = np.linalg.norm(new, axis=1)
+        empty = norms == 0
+        if empty.any():
+            new[empty] = x[r.choice(x.shape[0], size=int(empty.sum()), replace=False)]
+            norms[empty] = np.linalg.norm(new[empty], axis=1)
+        norms[norms == 0] = 1.0
+        cent = new / norms[:, None]
+    np.testing.assert_array_equal(spherical_kmeans(x, 50, random_state=np.random.default_rng(9)), cent)
+
+
 @pytest.mark.parametrize("dtype, k, tt, n_t, n_groups", [(np.float32, 7, 33, 301, 9), (np.float64, 7, 33, 301, 9),
                                                        (np.float32, 7, 1000, 3001, 9), (np.float32, 21, 3001, 3001, 3),
                                                        (np.float64, 1, 2999, 3001, 40), (np.float32, 5, 3001, 3001, 2)])
@@ -300,14 +343,20 @@ def test_similarity_tile_merge_equals_masked_distance_merge(dtype, seed):
     """merge_similarity_tile (distances for survivors only, group rule applied sparsely) gives the
     same running table as masking the dense distance tile and calling merge_tile, tile after tile:
     ties by index, rows with fewer than k eligible entries, similarities beyond ±1 (distances
-    clipped to 0 and 2, where every entry ties), and a tile closer than every current neighbour."""
+    clipped to 0 and 2, where every entry ties), and a tile closer than every current neighbour.
+    The tile is a view into a wider array (as the typed merges pass it): only its same-group
+    entries are written (to -inf), nothing around it. Wide tiles bound their open rows by block
+    maxima (:func:`~cachescore.neighbors.topk._kth_block_max`), narrow ones by a selection."""
     rng = np.random.default_rng(seed)
     b, k = 29, 6
     acc_ref = (np.full((b, k), -1, np.int64), np.full((b, k), np.inf))
     acc_new = (acc_ref[0].copy(), acc_ref[1].copy())
     qg = rng.integers(0, 4, b)
     seen, saw_open = 0, False
-    for w in (3, 40, 200, 7, 120):
+    for w in (3, 40, 200, 7, 120, 1500):
+        if w == 1500:  # a fresh table: every row open on a tile of 128 blocks of 11 columns
+            acc_ref = (np.full((b, k), -1, np.int64), np.full((b, k), np.inf))
+            acc_new = (acc_ref[0].copy(), acc_ref[1].copy())
         # dyadic similarities with many ties, some beyond [-1, 1]
         sim = (rng.integers(-20, 21, (b, w)) / 16).astype(dtype)
         if w == 120:
@@ -318,7 +367,12 @@ def test_similarity_tile_merge_equals_masked_distance_merge(dtype, seed):
         dist = np.clip(np.subtract(1, sim), 0, 2)
         dist[qg[:, None] == tg[None, :]] = np.inf
         topk.merge_tile(*acc_ref, dist, tids, k)
-        topk.merge_similarity_tile(*acc_new, sim.copy(), qg, tg, tids, k)
+        wide = np.full((b + 2, w + 5), 7.0, dtype)
+        wide[1:-1, 2:-3] = sim
+        topk.merge_similarity_tile(*acc_new, wide[1:-1, 2:-3], qg, tg, tids, k)
+        want = np.full_like(wide, 7.0)
+        want[1:-1, 2:-3] = np.where(qg[:, None] == tg[None, :], -np.inf, sim)
+        np.testing.assert_array_equal(wide, want)
         np.testing.assert_array_equal(acc_new[0], acc_ref[0])
         np.testing.assert_array_equal(acc_new[1], acc_ref[1])
         saw_open |= bool(np.isinf(acc_ref[1]).any())

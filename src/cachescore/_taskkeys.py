@@ -44,14 +44,18 @@ def current_unit() -> dict | None:
     return ann if isinstance(ann, dict) and ann.get("unit") else None
 
 
-def task_key(phase: str, *detail) -> str:
+def task_key(phase: str, *detail, group: str | None = None) -> str:
     """A fresh key for one task of ``phase``: the current unit's prefix (or the bare phase), an
     8-hex random word (where ``key_split`` stops), the ``detail`` words and 12 more random hex
-    characters (keys must not collide across resubmissions)."""
+    characters (keys must not collide across resubmissions). ``group`` (a word) ends the prefix
+    (``calibrate.enc0.all.ri.sample``): a task group of its own within the phase, so the
+    scheduler does not estimate the phase's other tasks from this one's duration."""
     if phase not in PHASES:
         raise ValueError(f"unknown task phase {phase!r} (known: {', '.join(PHASES)})")
     unit = current_unit()
     head = unit_prefix(phase, unit["encoder"], unit["view"], unit["metric"]) if unit else _word(phase)
+    if group is not None:
+        head = f"{head}.{_word(group)}"
     rand = uuid.uuid4().hex
     # an 8-hex word right after the prefix ends key_split's group there (alphabetic details would extend it)
     return "-".join([head, rand[:8], *(_word(d) for d in detail), rand[8:20]])

@@ -31,6 +31,7 @@ from .topk import merge_similarity_tile
 
 __all__ = [
     "spherical_kmeans",
+    "segment_sums",
     "assign_clusters",
     "probe_distances",
     "probed_clusters",
@@ -67,9 +68,7 @@ def spherical_kmeans(x: np.ndarray, n_clusters: int, *, random_state=None, iters
         lab = np.argmax(x @ cent.T, axis=1)
         srt = np.argsort(lab, kind="stable")
         cnt = np.bincount(lab, minlength=c)
-        new = np.zeros_like(cent)
-        nz = np.flatnonzero(cnt)
-        new[nz] = np.add.reduceat(x[srt], np.concatenate([[0], np.cumsum(cnt)[:-1]])[nz], axis=0)
+        new = segment_sums(x[srt], cnt)
         norms = np.linalg.norm(new, axis=1)
         empty = norms == 0
         if empty.any():
@@ -78,6 +77,48 @@ def spherical_kmeans(x: np.ndarray, n_clusters: int, *, random_state=None, iters
         norms[norms == 0] = 1.0
         cent = new / norms[:, None]
     return np.ascontiguousarray(cent, dtype=np.float32)
+
+
+def segment_sums(xs: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Per segment of consecutive rows of ``xs`` (s, d) (``counts`` (c,) rows each, in order;
+    zeros allowed): the sum of its rows, (c, d) in ``xs``' dtype (zero rows for empty segments).
+
+    Bit for bit ``np.add.reduceat(xs, starts, axis=0)`` on the non-empty segments: a segment's
+    first row plus numpy's pairwise sum of the others (:func:`_pairwise_rows`), but a row of d
+    values at a time instead of a strided column at a time (~15x faster at 20,000 x 768 in 196
+    segments), so the k-means centroids, and every partition built from them, are unchanged."""
+    out = np.zeros((counts.size, xs.shape[1]), dtype=xs.dtype)
+    at = 0
+    for j, m in enumerate(np.asarray(counts).tolist()):
+        if m:
+            out[j] = xs[at]
+            if m > 1:
+                out[j] += _pairwise_rows(xs[at + 1 : at + m])
+        at += m
+    return out
+
+
+def _pairwise_rows(v: np.ndarray) -> np.ndarray:
+    """numpy's pairwise summation (blocks of 128, eight accumulators, halves split at a multiple
+    of 8) of the rows of ``v`` (n, d), n >= 1, applied to all d columns at once: the additions
+    a reduction of each column performs, in the same order."""
+    n = v.shape[0]
+    if n < 8:
+        res = np.zeros(v.shape[1], dtype=v.dtype)
+        for i in range(n):
+            res += v[i]
+        return res
+    if n <= 128:
+        r = v[:8].copy()
+        for i in range(8, n - n % 8, 8):
+            r += v[i : i + 8]
+        res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]))
+        for i in range(n - n % 8, n):
+            res += v[i]
+        return res
+    half = n // 2
+    half -= half % 8
+    return _pairwise_rows(v[:half]) + _pairwise_rows(v[half:])
 
 
 def assign_clusters(u: np.ndarray, centroids: np.ndarray, *, block: int = 65536) -> np.ndarray:
@@ -403,8 +444,8 @@ def topk_tiles(qv, q_groups, tv, t_ids, t_groups, k, best_i, best_d, *, rows=Non
     gathered one ``tt`` tile at a time, so a selection never copies the whole target set.
     ``share`` (optional) is called as ``share(sim, s, e, t0, t1)`` with each similarity tile
     before this merge overwrites it: queries ``s:e`` of ``qv`` by targets ``t0:t1`` of the
-    selection, so another search over a subset of the same pairs reuses the GEMM (it must not
-    write into ``sim``).
+    selection, so another search over a subset of the same pairs reuses the GEMM (it may set
+    same-group pairs of ``sim`` to ``-inf``, as this merge does, and must write nothing else).
     """
     n_t = tv.shape[0] if rows is None else len(rows)
     if qv.shape[0] == 0 or n_t == 0:

@@ -137,7 +137,8 @@ def merge_similarity_tile(bi, bd, sim, q_groups, t_groups, tids, k, *, margin=No
     group rule applied here: the distance ``clip(1 - sim, 0, 2)`` (in ``sim``'s dtype, the exact
     engines' arithmetic) is computed for the few entries that can enter the running top-k only, and
     same-group pairs (``q_groups[r] == t_groups[c]``) never enter. Same result as masking,
-    converting the whole tile and calling :func:`merge_tile`, in place; ``sim`` is overwritten.
+    converting the whole tile and calling :func:`merge_tile`, in place; ``sim`` (contiguous or a
+    view of a larger tile) is written only where a pair is same-group (set to ``-inf``).
 
     Per row a similarity bound ``low`` keeps every entry whose distance can be ``<=`` the row's
     k-th (ties kept): ``1 - thr - margin`` (``margin`` 1e-6 for float32, 4e-15 for float64 covers
@@ -173,15 +174,15 @@ def merge_similarity_tile(bi, bd, sim, q_groups, t_groups, tids, k, *, margin=No
         _bound_flooded_rows(sim, passing, thr, k, bound)
     flat = np.flatnonzero(passing)
     del passing
-    cand_s = np.ravel(sim)[flat]
-    valid = cand_s > -np.inf  # not a same-group pair
     r = flat // w
+    c = flat - r * w
+    cand_s = sim[r, c]  # ``sim`` may be a view of a larger tile (no ravel copy)
+    valid = cand_s > -np.inf  # not a same-group pair
     d = np.clip(np.subtract(1, cand_s), 0, 2)
     keep = valid & (d <= thr[r])
     if not keep.any():
         return
-    flat, r, d = flat[keep], r[keep], d[keep]
-    _merge_candidates(bi, bd, d, r, tids[flat - r * w], k)
+    _merge_candidates(bi, bd, d[keep], r[keep], tids[c[keep]], k)
 
 
 def _bound_flooded_rows(sim, passing, thr, k, bound) -> None:
@@ -213,15 +214,19 @@ BOUND_BLOCKS = 128
 
 
 def _kth_block_max(sim: np.ndarray, k: int) -> np.ndarray:
-    """Per row of ``sim`` (b, w), w >= k: the k-th largest of the maxima of ``max(k, BOUND_BLOCKS)``
-    consecutive column blocks, a lower bound of the row's k-th largest entry (each of those
-    maxima is a different entry); the k-th largest itself when the blocks are single columns."""
-    w = sim.shape[1]
-    size = w // max(k, BOUND_BLOCKS)
+    """Per row of ``sim`` (b, w), w >= k: the k-th largest of the maxima of ``nb = max(k,
+    BOUND_BLOCKS)`` disjoint column blocks, a lower bound of the row's k-th largest entry (each of
+    those maxima is a different entry); the k-th largest itself when the blocks are single
+    columns. Block ``j`` holds columns ``j, j + nb, j + 2 nb, ...`` of the first ``(w // nb) · nb``
+    (strided: an element-wise maximum of contiguous column runs, ~2.6x faster than a
+    ``reduceat`` over consecutive blocks of a 1,024 x 8,192 tile; the bound is as valid)."""
+    b, w = sim.shape
+    nb = max(k, BOUND_BLOCKS)
+    size = w // nb
     if size <= 1:
         return np.partition(sim, w - k, axis=1)[:, w - k]
-    maxima = np.maximum.reduceat(sim, np.arange(0, w, size), axis=1)
-    return np.partition(maxima, maxima.shape[1] - k, axis=1)[:, maxima.shape[1] - k]
+    maxima = sim[:, : size * nb].reshape(b, size, nb).max(axis=1)
+    return np.partition(maxima, nb - k, axis=1)[:, nb - k]
 
 
 def merge_keys(bi, bd, new_d, new_r, new_i, k, ib):

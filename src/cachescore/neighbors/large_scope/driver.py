@@ -17,7 +17,7 @@ from distributed import Lock, as_completed
 from ..._taskkeys import task_key
 from ..._atomic import atomic_write_json
 from ..base import scope_aware
-from ..._futures import gather_or_cancel
+from ..._futures import gather_or_cancel, paced
 from ..fetch import is_capped
 from ..normalize import compute_dtype
 from ..partition import (
@@ -414,28 +414,31 @@ class LargeScopeSearch:
         audit = np.sort(rng_a.choice(n, size=min(n, self.n_recall_queries), replace=False))
         calib = np.sort(rng_c.choice(n, size=min(n, max(tunables.CALIBRATION_QUERIES, 2 * self.n_recall_queries)), replace=False))
         qpos = np.concatenate([calib, audit])
+        # a task group of its own: from this 20-ms read the scheduler would expect the brute tasks
+        # to be as short, and queue them all behind one another on the worker holding the sample
         qv_f = self.client.submit(position_task, layout_f, part.step, qpos, pure=False,
-                                  key=task_key("calibrate", "queries"))
+                                  key=task_key("calibrate", "queries", group="sample"))
         q_codes = np.ascontiguousarray(ref.codes_at(qpos)[:, 1:])
         step = -(-qpos.size // max(1, int(tunables.CALIBRATION_PARTS)))
         starts = list(range(0, qpos.size, step))
-        # larger chunks first (priority: the rank of a chunk's rows), so the last wave is short
-        rank = _priorities([int(b[-1]) for b in part.layout.bounds])
-        futures = {self.client.submit(brute_task, layout_f, j, qv_f, q_codes[s:s + step], widths, s, pure=False,
-                                      priority=rank[j], key=task_key("calibrate", f"chunk{j:05d}-{s}")): s
-                   for j in range(len(part.layout.paths)) for s in starts}
+        # larger chunks first, each submitted when a worker thread is free for it (:func:`paced`),
+        # so the last wave is short and no task waits behind another on a busy worker
+        by_rows = np.argsort([-int(b[-1]) for b in part.layout.bounds], kind="stable").tolist()
+
+        def submit(j, s):
+            return lambda: self.client.submit(brute_task, layout_f, j, qv_f, q_codes[s:s + step], widths, s,
+                                              pure=False, key=task_key("calibrate", f"chunk{j:05d}-{s}"))
+
+        # the sample first: a task submitted while it is pending goes to the worker that will hold it
+        for _ in as_completed([qv_f], loop=self.client.loop):  # this client's, not a default one
+            pass
         merged = dict.fromkeys(starts)
-        try:  # merged as they finish (a (distance, index) merge: any order gives the same top-k),
-            # so the driver holds one chunk's answers per part at a time, not one per chunk
-            for fut in as_completed(list(futures), loop=self.client.loop):  # this client's, not a default one
-                found, s = fut.result(), futures[fut]
-                merged[s] = found if merged[s] is None else {kd: merge_tables(merged[s][kd], found[kd], k)
-                                                             for kd, k in widths.items()}
-                fut.release()
-                del found
-        except BaseException:
-            self.client.cancel(list(futures))
-            raise
+        # merged as they finish (a (distance, index) merge: any order gives the same top-k), so
+        # the driver holds one chunk's answers per part at a time, not one per chunk
+        for s, found in paced(self.client, ((s, submit(j, s)) for j in by_rows for s in starts)):
+            merged[s] = found if merged[s] is None else {kd: merge_tables(merged[s][kd], found[kd], k)
+                                                         for kd, k in widths.items()}
+            del found
         whole = {kd: tuple(np.concatenate([merged[s][kd][w] for s in starts]) for w in (0, 1)) for kd in widths}
         return calib, audit, whole
 

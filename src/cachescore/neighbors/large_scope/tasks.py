@@ -111,9 +111,14 @@ def brute_task(layout: Layout, j: int, qv: np.ndarray, q_codes: np.ndarray, widt
     share their GEMMs (:meth:`Targets.search`). Returns ``{kind: (idx, dist)}``, (q, k) each."""
     with single_thread_blas():
         q = q_codes.shape[0]
-        qv = qv[int(start):int(start) + q]
-        out = {kind: (np.full((q, k), -1, np.int64), np.full((q, k), np.inf)) for kind, k in widths.items()}
-        Targets(layout.n_conf, *layout.read_chunk(j)).search(qv, tuple(q_codes.T), np.arange(q), out, None)
+        by = np.lexsort((q_codes[:, 2], q_codes[:, 1]))  # by (label, confounder), as in search_task
+        qv = qv[int(start):int(start) + q][by]
+        res = {kind: (np.full((q, k), -1, np.int64), np.full((q, k), np.inf)) for kind, k in widths.items()}
+        Targets(layout.n_conf, *layout.read_chunk(j)).search(qv, tuple(q_codes[by].T), np.arange(q), res, None)
+        out = {}
+        for kind, (idx, dist) in res.items():
+            out[kind] = (np.empty_like(idx), np.empty_like(dist))
+            out[kind][0][by], out[kind][1][by] = idx, dist
         return out
 
 
@@ -134,6 +139,9 @@ def search_task(layout: Layout, batch: dict, widths: dict, tables: dict) -> tupl
     with single_thread_blas():
         q_clusters = sorted(batch)
         qv, qmeta, qcl = layout.read_clusters(q_clusters)
+        # each cluster's rows by (label, confounder): a typed query set is a few runs (_TypedShare)
+        by = np.lexsort((qmeta[:, 3], qmeta[:, 2], qcl))
+        qv, qmeta, qcl = qv[by], qmeta[by], qcl[by]
         q_codes = (qmeta[:, 1], qmeta[:, 2], qmeta[:, 3])
         res = {kind: (np.full((qv.shape[0], k), -1, np.int64), np.full((qv.shape[0], k), np.inf))
                for kind, k in widths.items()}
@@ -263,6 +271,11 @@ def _unstack(sets, tables, sub_i, sub_d) -> None:
         at += q.size
 
 
+#: A typed query set of :class:`_TypedShare` in at most this many runs of consecutive query rows is
+#: merged run by run from views of the similarity tile; a set in more runs is gathered once.
+SHARE_RUNS = 4
+
+
 class _TypedShare:
     """Typed merges from a cross-group search's similarity tiles (the ``share`` of
     :func:`~cachescore.neighbors.partition.topk_tiles`, whose queries are ``qsel`` and targets
@@ -270,7 +283,13 @@ class _TypedShare:
     plan probes there (a run of ``tsel``, which is ordered by cell) and the positions in
     ``qsel`` of its SO and OS queries. A pair meets the same float as in a typed search of its
     own and a top-k merge does not depend on how the pairs are tiled, so the typed tables are
-    the ones a separate search gives. ``qsel`` is ascending (a query cluster's rows)."""
+    the ones a separate search gives. ``qsel`` is ascending (a query cluster's rows).
+
+    Queries ordered by (label, confounder) within their cluster (as :func:`search_task` and
+    :func:`brute_task` order them) make each SO / OS set a few runs of consecutive rows: each run
+    is merged from a view of the tile straight into a view of its table (no copy of the tile's
+    entries or of the running rows). The merges only set same-group pairs of the tile to
+    ``-inf``, which the cross-group merge that follows masks anyway."""
 
     def __init__(self, targets: Targets, qsel, tsel, res: dict, q_groups):
         self.t, self.qsel, self.tsel, self.q_groups = targets, qsel, tsel, q_groups
@@ -284,31 +303,50 @@ class _TypedShare:
         lo = int(np.searchsorted(self.col_cell, cell))
         hi = int(np.searchsorted(self.col_cell, cell, side="right"))
         probed = np.isin(self.tsel[lo:hi], rows)
-        pos = (np.searchsorted(self.qsel, q) for q in sets)  # both ascending
+        pos = tuple(np.searchsorted(self.qsel, q) for q in sets)  # both ascending
         self.runs.append((lo, hi, None if probed.all() else probed, *pos))
 
     def __call__(self, sim, s, e, t0, t1) -> None:
-        for lo, hi, probed, so_pos, os_pos in self.runs:
+        for lo, hi, probed, *positions in self.runs:
             a, b = max(lo, t0), min(hi, t1)
             if a >= b:
                 continue
-            keep = None if probed is None else probed[a - lo:b - lo]
+            keep = None if probed is None or probed[a - lo:b - lo].all() else probed[a - lo:b - lo]
             if keep is not None and not keep.any():
                 continue
-            parts = [p[np.searchsorted(p, s):np.searchsorted(p, e)] for p in (so_pos, os_pos)]  # in ``s:e``
-            local = np.concatenate(parts)
-            if local.size == 0:
-                continue
-            sets = tuple(self.qsel[p] for p in parts)  # indices of all queries
-            sub_i, sub_d = _stacked(sets, self.tables)
-            # the cell's columns are one run of the tile: gather its rows by slice (~25x faster
-            # than an np.ix_ gather), then keep the probed columns; the same entries, in order
-            block, t_rows = sim[local - s, a - t0:b - t0], self.tsel[a:b]
-            if keep is not None and not keep.all():
-                block, t_rows = block[:, keep], t_rows[keep]
-            merge_similarity_tile(sub_i, sub_d, block, self.q_groups[self.qsel[local]],
-                                  self.t.t_groups[t_rows], self.t.tpos[t_rows], sub_i.shape[1])
-            _unstack(sets, self.tables, sub_i, sub_d)
+            t_rows = self.tsel[a:b] if keep is None else self.tsel[a:b][keep]
+            cols = slice(a - t0, b - t0)
+            for table, pos in zip(self.tables, positions):
+                pos = pos[np.searchsorted(pos, s):np.searchsorted(pos, e)]  # in ``s:e``
+                if pos.size:
+                    self._merge(sim, s, cols, keep, t_rows, table, pos)
+
+    def _merge(self, sim, s, cols, keep, t_rows, table, pos) -> None:
+        """Merge the tile's pairs of query positions ``pos`` (ascending, in ``s:e``) and columns
+        ``cols`` (``keep`` of them, None = all; targets ``t_rows``) into ``table``."""
+        bi, bd = table
+        t_groups, t_ids, k = self.t.t_groups[t_rows], self.t.tpos[t_rows], bi.shape[1]
+        cuts = np.flatnonzero(np.diff(pos) != 1) + 1
+        if cuts.size < SHARE_RUNS:
+            for run in np.split(pos, cuts):
+                q0, p0, p1 = int(self.qsel[run[0]]), int(run[0]), int(run[-1]) + 1
+                block = sim[p0 - s:p1 - s, cols]
+                if keep is not None:
+                    block = block[:, keep]
+                if self.qsel[p1 - 1] - q0 == p1 - 1 - p0:  # consecutive rows of the table too: views
+                    merge_similarity_tile(bi[q0:q0 + p1 - p0], bd[q0:q0 + p1 - p0], block,
+                                          self.q_groups[q0:q0 + p1 - p0], t_groups, t_ids, k)
+                else:
+                    self._merge_gathered(block, self.qsel[p0:p1], t_groups, t_ids, table)
+            return
+        block = sim[pos - s, cols]  # the cell's columns are one run of the tile: rows by slice
+        self._merge_gathered(block if keep is None else block[:, keep], self.qsel[pos], t_groups, t_ids, table)
+
+    def _merge_gathered(self, block, rows, t_groups, t_ids, table) -> None:
+        bi, bd = table
+        sub_i, sub_d = bi[rows], bd[rows]
+        merge_similarity_tile(sub_i, sub_d, block, self.q_groups[rows], t_groups, t_ids, bi.shape[1])
+        bi[rows], bd[rows] = sub_i, sub_d
 
 
 def plan_clusters(plan: dict):
