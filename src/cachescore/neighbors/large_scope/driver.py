@@ -227,7 +227,10 @@ class LargeScopeSearch:
         files = ref.files()
         c = max(1, math.ceil(n / tunables.ROWS_PER_CLUSTER))
         size = min(n, tunables.KMEANS_MAX_SAMPLE, max(tunables.KMEANS_MIN_SAMPLE, 48 * c))
-        centroids = self.client.submit(centroid_task, files, n, c, size, self.seed, pure=False,
+        # before the shard checks queued beside it (priority 0): the k-means is the one task the
+        # partition waits for, the checks only the partition's done.json (at 1M a free worker
+        # took a 2.5-s check first while the other ran the last check: the k-means began 2.5 s late)
+        centroids = self.client.submit(centroid_task, files, n, c, size, self.seed, pure=False, priority=1,
                                        key=task_key("partition", "centroids")).result()
         step = max(1, tunables.CHUNK_BYTES // (dim * 4))
         bounds = list(range(0, n, step))

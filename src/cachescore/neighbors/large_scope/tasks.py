@@ -343,6 +343,7 @@ class _TypedShare:
         self._merge_gathered(block if keep is None else block[:, keep], self.qsel[pos], t_groups, t_ids, table)
 
     def _merge_gathered(self, block, rows, t_groups, t_ids, table) -> None:
+        """Merge ``block`` (len(rows), targets) into the table rows ``rows`` (copied out and back)."""
         bi, bd = table
         sub_i, sub_d = bi[rows], bd[rows]
         merge_similarity_tile(sub_i, sub_d, block, self.q_groups[rows], t_groups, t_ids, bi.shape[1])
