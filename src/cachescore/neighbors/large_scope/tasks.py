@@ -115,11 +115,8 @@ def brute_task(layout: Layout, j: int, qv: np.ndarray, q_codes: np.ndarray, widt
         qv = qv[int(start):int(start) + q][by]
         res = {kind: (np.full((q, k), -1, np.int64), np.full((q, k), np.inf)) for kind, k in widths.items()}
         Targets(layout.n_conf, *layout.read_chunk(j)).search(qv, tuple(q_codes[by].T), np.arange(q), res, None)
-        out = {}
-        for kind, (idx, dist) in res.items():
-            out[kind] = (np.empty_like(idx), np.empty_like(dist))
-            out[kind][0][by], out[kind][1][by] = idx, dist
-        return out
+        back = np.argsort(by)  # the sample's own order again
+        return {kind: (idx[back], dist[back]) for kind, (idx, dist) in res.items()}
 
 
 def search_task(layout: Layout, batch: dict, widths: dict, tables: dict) -> tuple[int, float]:
@@ -344,10 +341,9 @@ class _TypedShare:
 
     def _merge_gathered(self, block, rows, t_groups, t_ids, table) -> None:
         """Merge ``block`` (len(rows), targets) into the table rows ``rows`` (copied out and back)."""
-        bi, bd = table
-        sub_i, sub_d = bi[rows], bd[rows]
-        merge_similarity_tile(sub_i, sub_d, block, self.q_groups[rows], t_groups, t_ids, bi.shape[1])
-        bi[rows], bd[rows] = sub_i, sub_d
+        sub_i, sub_d = _stacked((rows,), (table,))
+        merge_similarity_tile(sub_i, sub_d, block, self.q_groups[rows], t_groups, t_ids, sub_i.shape[1])
+        _unstack((rows,), (table,), sub_i, sub_d)
 
 
 def plan_clusters(plan: dict):
